@@ -1,0 +1,1 @@
+"""Code-benchmark evaluation (imported as ``mtp.eval``)."""

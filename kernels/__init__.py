@@ -1,0 +1,1 @@
+"""Triton kernels, each beside its PyTorch reference (imported as ``mtp.kernels``)."""

@@ -1,0 +1,1 @@
+"""mtp: multi-token-prediction pretraining, decoding and evaluation."""

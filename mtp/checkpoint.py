@@ -1,0 +1,72 @@
+"""Reading and writing mtp checkpoints without Lightning.
+
+A checkpoint is a Lightning checkpoint whose `state_dict` holds the model under the `model.`
+prefix and whose `mtp` entry carries what inference needs: the model config and the tokenizer
+(as its JSON string), so a checkpoint alone is enough to generate or evaluate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+from mtp.config import ModelConfig
+from mtp.model import MTPTransformer
+
+#: Separates documents in the token stream and ends generation.
+EOT_TOKEN = "<|endoftext|>"
+STATE_PREFIX = "model."
+
+
+def mtp_metadata(cfg: ModelConfig, tokenizer: Tokenizer) -> dict:
+    """The `mtp` entry of a checkpoint."""
+    return {"model_config": dataclasses.asdict(cfg), "tokenizer": tokenizer.to_str()}
+
+
+def save_checkpoint(path: str | os.PathLike, model: MTPTransformer, tokenizer: Tokenizer) -> None:
+    """Write a minimal checkpoint (weights, config, tokenizer) readable by `load_checkpoint`.
+
+    Written to a temporary file and renamed, so an interrupted save never corrupts `path`.
+    """
+    path = Path(path)
+    state = {STATE_PREFIX + k: v for k, v in model.state_dict().items()}
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save({"state_dict": state, "mtp": mtp_metadata(model.cfg, tokenizer)}, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(
+    path: str | os.PathLike, *, device: str | torch.device = "cpu"
+) -> tuple[MTPTransformer, Tokenizer]:
+    """The model (in eval mode, on `device`) and tokenizer stored in a checkpoint."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    if "mtp" not in ckpt:
+        raise ValueError(f"{path} is not an mtp checkpoint (no 'mtp' entry with config and "
+                         "tokenizer)")
+    cfg = ModelConfig(**ckpt["mtp"]["model_config"])
+    tokenizer = Tokenizer.from_str(ckpt["mtp"]["tokenizer"])
+    model = MTPTransformer(cfg)
+    state = {k[len(STATE_PREFIX):]: v for k, v in ckpt["state_dict"].items()
+             if k.startswith(STATE_PREFIX)}
+    model.load_state_dict(state)
+    check_vocab(tokenizer, cfg, source=str(path))
+    return model.to(device).eval(), tokenizer
+
+
+def check_vocab(tokenizer: Tokenizer, cfg: ModelConfig, *, source: str) -> None:
+    """Raise if the tokenizer can produce ids the model has no embedding for."""
+    n = tokenizer.get_vocab_size()
+    if n > cfg.vocab_size:
+        raise ValueError(
+            f"tokenizer from {source} has {n} tokens but the model's vocabulary "
+            f"(--model.vocab_size) is {cfg.vocab_size}"
+        )
+    if tokenizer.token_to_id(EOT_TOKEN) is None:
+        raise ValueError(f"tokenizer from {source} has no {EOT_TOKEN} token")

@@ -1,0 +1,258 @@
+"""Typed configuration: the single source of truth for every knob of mtp.
+
+Each component receives only its own sub-config (`build_model(model_cfg)`,
+`build_datamodule(data_cfg, ...)`); only the Lightning module and the CLI see the whole tree.
+Every field has a type, a default and a docstring; the docstrings become `--help`.
+Validation collects every problem of a config before raising, and each message names the flag.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names each offending flag."""
+
+
+def _raise_if(problems: list[str]) -> None:
+    if problems:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
+
+
+@dataclass
+class ModelConfig:
+    """Shape of the multi-token-prediction transformer."""
+
+    vocab_size: int = 4096
+    """Vocabulary size V (rows of the embedding and of the shared unembedding)."""
+    d_model: int = 256
+    """Residual stream width d."""
+    n_layers: int = 4
+    """Trunk blocks (with `matched_params`, the trunk of the K = 1 model)."""
+    n_heads: int = 4
+    """Attention heads per block."""
+    n_kv_heads: int | None = None
+    """Key/value heads for grouped-query attention (None: same as `n_heads`)."""
+    n_future: int = 4
+    """K: number of output heads; head i (1-based) predicts the token i positions ahead."""
+    head_type: Literal["block", "linear"] = "block"
+    """Output head: one transformer block each (paper default) or one linear d x d map each."""
+    matched_params: bool = False
+    """Keep trunk + head blocks equal to `n_layers + 1` for every K by moving K - 1 trunk blocks
+    into the heads (Gloeckle et al.), so a sweep over K compares equal parameter counts."""
+    max_seq_len: int = 256
+    """Longest context the rotary tables and KV cache are built for."""
+    ffn_hidden: int | None = None
+    """SwiGLU hidden width (None: 8/3 * d rounded up to a multiple of 64)."""
+    rope_theta: float = 10000.0
+    """Rotary embedding base."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    tie_embeddings: bool = False
+    """Share the input embedding with the unembedding (untied by default, as in the paper)."""
+    init_std: float = 0.02
+    """Standard deviation of the normal weight initialisation."""
+
+    def __post_init__(self) -> None:
+        p = []
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_future", "max_seq_len"):
+            if getattr(self, name) < 1:
+                p.append(f"--model.{name} must be >= 1 (got {getattr(self, name)})")
+        if self.n_heads >= 1 and self.d_model % self.n_heads:
+            p.append(
+                f"--model.d_model ({self.d_model}) must be divisible by --model.n_heads "
+                f"({self.n_heads})"
+            )
+        elif self.n_heads >= 1 and (self.d_model // self.n_heads) % 2:
+            p.append(f"--model.d_model / --model.n_heads must be even for RoPE (got "
+                     f"{self.d_model // self.n_heads})")
+        if self.n_kv_heads is not None and (
+            self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads
+        ):
+            p.append(
+                f"--model.n_kv_heads ({self.n_kv_heads}) must be >= 1 and divide "
+                f"--model.n_heads ({self.n_heads})"
+            )
+        if self.matched_params:
+            if self.head_type != "block":
+                p.append("--model.matched_params needs --model.head_type block")
+            elif self.n_future >= 1 and self.n_layers - (self.n_future - 1) < 1:
+                p.append(
+                    f"--model.matched_params moves K - 1 = {self.n_future - 1} trunk blocks into "
+                    f"the heads, which leaves none of --model.n_layers = {self.n_layers}"
+                )
+        if self.ffn_hidden is not None and self.ffn_hidden < 1:
+            p.append(f"--model.ffn_hidden must be >= 1 (got {self.ffn_hidden})")
+        _raise_if(p)
+
+    @property
+    def n_trunk_layers(self) -> int:
+        """Blocks in the shared trunk after the matched-parameter move."""
+        return self.n_layers - (self.n_future - 1) if self.matched_params else self.n_layers
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def ffn_dim(self) -> int:
+        if self.ffn_hidden is not None:
+            return self.ffn_hidden
+        return -(-(8 * self.d_model // 3) // 64) * 64
+
+    @classmethod
+    def from_name(cls, name: str, **overrides: object) -> ModelConfig:
+        """A named size from `MODEL_REGISTRY`, with field overrides."""
+        if name not in MODEL_REGISTRY:
+            raise ConfigError(f"unknown model name {name!r}; known: {', '.join(MODEL_REGISTRY)}")
+        return dataclasses.replace(MODEL_REGISTRY[name], **overrides)
+
+
+#: Named sizes. `debug` runs a step on CPU in milliseconds (tests, README); `cpu` is the default
+#: that trains on two CPU cores in minutes; the rest are GPU sizes (parameter counts at V = 32000,
+#: K = 4, matched to the K = 1 model of the same name).
+MODEL_REGISTRY: dict[str, ModelConfig] = {
+    "debug": ModelConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=2, n_future=2,
+                         max_seq_len=64),
+    "cpu": ModelConfig(),
+    "125M": ModelConfig(vocab_size=32000, d_model=768, n_layers=11, n_heads=12, max_seq_len=2048,
+                        matched_params=True),
+    "350M": ModelConfig(vocab_size=32000, d_model=1024, n_layers=23, n_heads=16,
+                        max_seq_len=2048, matched_params=True),
+    "1B": ModelConfig(vocab_size=32000, d_model=2048, n_layers=17, n_heads=16, n_kv_heads=8,
+                      max_seq_len=4096, matched_params=True),
+    "7B": ModelConfig(vocab_size=32000, d_model=4096, n_layers=31, n_heads=32, n_kv_heads=8,
+                      ffn_hidden=11008, max_seq_len=4096, matched_params=True),
+}
+
+
+@dataclass
+class DataConfig:
+    """Where the text comes from, how it is tokenised, and how it is batched."""
+
+    source: str = "stdlib"
+    """`stdlib` (the running Python's standard library sources, offline), a Hugging Face dataset
+    name, or local files: a path, directory or glob of .py, .txt, .jsonl or .parquet files."""
+    hf_config: str | None = None
+    """Hugging Face dataset configuration name."""
+    hf_split: str = "train"
+    """Hugging Face split to read."""
+    text_field: str = "text"
+    """Field holding the text in Hugging Face, .jsonl and .parquet sources."""
+    streaming: bool = False
+    """Stream a Hugging Face dataset instead of downloading it whole."""
+    max_documents: int | None = None
+    """Read at most this many documents (useful with `streaming`)."""
+    val_fraction: float = 0.02
+    """Share of documents (chosen by a hash of each document's name) held out for validation."""
+    tokenizer: str | None = None
+    """An existing `tokenizer.json`; None trains a byte-level BPE on the training split."""
+    tokenizer_train_bytes: int = 8_000_000
+    """Train the BPE on at most this many bytes of training text."""
+    cache_dir: str = ".mtp_cache"
+    """Where tokenizers and memory-mapped token shards are kept, keyed by content hashes."""
+    seq_len: int = 128
+    """Tokens of context per training window (each window holds seq_len + K tokens)."""
+    batch_size: int = 16
+    """Windows per batch (per device)."""
+    num_workers: int = 0
+    """DataLoader worker processes."""
+    tokenize_workers: int | None = None
+    """Processes used to tokenise the corpus (None: all cores)."""
+    seed: int = 1234
+    """Seed of the window order."""
+
+    def __post_init__(self) -> None:
+        p = []
+        if not 0.0 < self.val_fraction < 1.0:
+            p.append(f"--data.val_fraction must be in (0, 1) (got {self.val_fraction})")
+        for name in ("seq_len", "batch_size", "tokenizer_train_bytes"):
+            if getattr(self, name) < 1:
+                p.append(f"--data.{name} must be >= 1 (got {getattr(self, name)})")
+        if self.num_workers < 0:
+            p.append(f"--data.num_workers must be >= 0 (got {self.num_workers})")
+        if self.max_documents is not None and self.max_documents < 1:
+            p.append(f"--data.max_documents must be >= 1 (got {self.max_documents})")
+        _raise_if(p)
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warmup then cosine decay."""
+
+    lr: float = 3e-3
+    """Peak learning rate."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of the peak."""
+    warmup_steps: int = 100
+    """Linear warmup length in optimizer steps."""
+    decay_steps: int | None = None
+    """Cosine length in optimizer steps (None: the trainer's max_steps)."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay on matrices (never on norms, biases or embeddings)."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+
+    def __post_init__(self) -> None:
+        p = []
+        if self.lr <= 0:
+            p.append(f"--optim.lr must be > 0 (got {self.lr})")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            p.append(f"--optim.min_lr_ratio must be in [0, 1] (got {self.min_lr_ratio})")
+        if self.warmup_steps < 0:
+            p.append(f"--optim.warmup_steps must be >= 0 (got {self.warmup_steps})")
+        if self.decay_steps is not None and self.decay_steps < 1:
+            p.append(f"--optim.decay_steps must be >= 1 (got {self.decay_steps})")
+        if self.weight_decay < 0:
+            p.append(f"--optim.weight_decay must be >= 0 (got {self.weight_decay})")
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            p.append(f"--optim.betas must lie in [0, 1) (got {self.betas})")
+        _raise_if(p)
+
+
+@dataclass
+class LossConfig:
+    """How the sum over heads of the cross-entropies is computed."""
+
+    strategy: Literal["naive", "sequential"] = "naive"
+    """`naive` holds all K heads' logits at once; `sequential` runs one head at a time."""
+    head_weights: list[float] | None = None
+    """Weight w_i of head i in the loss (None: 1 for every head)."""
+
+    def __post_init__(self) -> None:
+        if self.head_weights is not None and any(w < 0 for w in self.head_weights):
+            _raise_if([f"--loss.head_weights must be >= 0 (got {self.head_weights})"])
+
+
+@dataclass
+class RunConfig:
+    """Everything a training run needs besides the Trainer's own flags."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+
+    def __post_init__(self) -> None:
+        p = []
+        if self.data.seq_len > self.model.max_seq_len:
+            p.append(
+                f"--data.seq_len ({self.data.seq_len}) exceeds --model.max_seq_len "
+                f"({self.model.max_seq_len})"
+            )
+        w = self.loss.head_weights
+        if w is not None and len(w) != self.model.n_future:
+            p.append(
+                f"--loss.head_weights has {len(w)} entries but --model.n_future is "
+                f"{self.model.n_future}"
+            )
+        _raise_if(p)
