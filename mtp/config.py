@@ -164,8 +164,6 @@ class DataConfig:
     """Windows per batch (per device)."""
     num_workers: int = 0
     """DataLoader worker processes."""
-    tokenize_workers: int | None = None
-    """Processes used to tokenise the corpus (None: all cores)."""
     seed: int = 1234
     """Seed of the window order."""
 

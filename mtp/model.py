@@ -29,22 +29,27 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32: under bf16 autocast the mean of squares loses too many bits.
-        xf = x.float()
+        # At least fp32: under bf16 autocast the mean of squares loses too many bits.
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
         out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return out.type_as(x) * self.weight
 
 
 def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cosine and sine tables for rotary embeddings, each (max_seq_len, hd / 2), fp32."""
-    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim)
-    angles = torch.outer(torch.arange(cfg.max_seq_len).float(), inv_freq)
+    """Cosine and sine tables for rotary embeddings, each (max_seq_len, hd / 2), fp64.
+
+    NOTE: kept in fp64 and cast per forward to max(fp32, compute dtype): fp32 angles at position
+    4096 are off by ~2e-4 rad, and an fp64 model (used by the exactness tests) stays exact.
+    """
+    inv_freq = 1.0 / cfg.rope_theta ** (
+        torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
+    angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float64), inv_freq)
     return angles.cos(), angles.sin()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs of channels of x (B, H, T, hd) by position; cos, sin are (B, 1, T, hd / 2)."""
-    x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # (B, H, T, hd/2) each
+    x1, x2 = x.to(cos.dtype).unflatten(-1, (-1, 2)).unbind(-1)  # (B, H, T, hd/2) each
     rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
     return rotated.flatten(-2).type_as(x)
 
@@ -205,7 +210,9 @@ class MTPTransformer(nn.Module):
                 f"position {int(positions.max())} is past --model.max_seq_len "
                 f"({self.cfg.max_seq_len})"
             )
-        return self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]
+        dtype = torch.promote_types(self.embed.weight.dtype, torch.float32)
+        return (self.rope_cos[positions][:, None].to(dtype),
+                self.rope_sin[positions][:, None].to(dtype))
 
     def _layer_kv(self, cache: KVCache | None, layer: int):
         return None if cache is None else (cache.k[layer], cache.v[layer])
@@ -258,7 +265,9 @@ class MTPTransformer(nn.Module):
         Returns:
             (B, T, d); the logits are `unembed(head_hidden(...))`.
         """
-        kv = self._layer_kv(cache, self.cfg.n_trunk_layers + i)
+        # linear heads have no attention, hence nothing in the cache
+        kv = self._layer_kv(cache, self.cfg.n_trunk_layers + i) \
+            if self.cfg.head_type == "block" else None
         return self.norm(self.heads[i](h, *rope, kv, slots, mask))
 
     def forward(

@@ -1,0 +1,353 @@
+"""Kernel-level benchmark of the fused linear cross-entropy against the alternatives.
+
+Measures forward + backward time, forward-only time, peak extra memory and throughput on the
+``6 N d V`` FLOP basis (the forward and backward matmuls of an unfused unembedding) for:
+
+* ``mtp``: :func:`mtp.kernels.linear_cross_entropy` (Triton on CUDA, chunked torch on CPU);
+* ``torch``: :func:`mtp.kernels.linear_cross_entropy_reference` (materialised fp32 logits);
+* ``torch-chunked``: ``torch.nn.functional.linear_cross_entropy`` with chunking options, where
+  this torch has it;
+* ``liger``: Liger-Kernel's fused linear cross-entropy, if importable;
+* ``cce``: Apple's cut-cross-entropy, if importable.
+
+Every implementation runs on the same inputs in one process, so ratios are side by side.
+
+Usage::
+
+    python -m mtp.bench_kernels                      # default shapes for the device
+    python -m mtp.bench_kernels --dtype fp32 --shapes 8192,2048,32000 --csv out.csv
+    python -m mtp.bench_kernels --sweep               # tile-size sweep of the Triton kernels
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from mtp.kernels import TritonConfig, linear_cross_entropy, linear_cross_entropy_reference
+
+LossFn = Callable[[Tensor, Tensor, Tensor], Tensor]
+
+GPU_SHAPES = [(16384, 4096, 128256), (8192, 2048, 32000)]
+CPU_SHAPES = [(2048, 256, 8192), (1024, 128, 32000)]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# Dense tensor-core peaks (TFLOP/s, bf16/fp16, SXM parts); percent of peak is reported only for
+# these dtypes and devices. H200 has H100's compute with more and faster memory.
+PEAK_TFLOPS_16BIT = {"H100": 989.4, "H200": 989.4, "A100": 312.0}
+# Tile configurations for --sweep: the default and its neighbours in tile shape and pipelining.
+SWEEP_CONFIGS = [
+    TritonConfig(block_n=128, block_v=128, block_d=64, num_warps=8, num_stages=3),
+    TritonConfig(block_n=128, block_v=256, block_d=64, num_warps=8, num_stages=3),
+    TritonConfig(block_n=64, block_v=128, block_d=64, num_warps=4, num_stages=4),
+    TritonConfig(block_n=128, block_v=128, block_d=32, num_warps=4, num_stages=4),
+]
+
+
+def available_impls() -> dict[str, LossFn]:
+    """Name -> loss function of every implementation importable here."""
+    impls: dict[str, LossFn] = {
+        "mtp": lambda h, w, t: linear_cross_entropy(h, w, t),
+        "torch": lambda h, w, t: linear_cross_entropy_reference(h, w, t),
+    }
+    options_cls = getattr(torch.nn, "LinearCrossEntropyOptions", None)
+    if options_cls is not None and hasattr(torch.nn.functional, "linear_cross_entropy"):
+        impls["torch-chunked"] = lambda h, w, t: torch.nn.functional.linear_cross_entropy(
+            h, w, t, ignore_index=-100, options=options_cls()
+        )
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        liger = LigerFusedLinearCrossEntropyLoss()
+        impls["liger"] = lambda h, w, t: liger(w, h, t)  # Liger takes (weight, input, target)
+    except ImportError:
+        pass
+    try:
+        from cut_cross_entropy import linear_cross_entropy as cce_linear_cross_entropy
+
+        impls["cce"] = lambda h, w, t: cce_linear_cross_entropy(h, w, t)
+    except ImportError:
+        pass
+    return impls
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_ms(fn: Callable[[], object], device: torch.device, warmup: int, reps: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _peak_extra_mib(fn: Callable[[], object], device: torch.device) -> float | None:
+    """Peak memory above what was allocated before ``fn`` (CUDA only)."""
+    if device.type != "cuda":
+        return None
+    _sync(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    fn()
+    _sync(device)
+    return (torch.cuda.max_memory_allocated(device) - base) / 2**20
+
+
+def _peak_tflops(dtype: torch.dtype, device: torch.device) -> float | None:
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_TFLOPS_16BIT.items() if key in name), None)
+
+
+def _inputs(shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device):
+    n, d, vocab = shape
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    # Logits with std ~2, as in a trained LM head, and 5% ignored positions.
+    hidden = torch.randn(n, d, generator=gen).to(device=device, dtype=dtype)
+    weight = (torch.randn(vocab, d, generator=gen) * (2.0 / d**0.5)).to(device=device, dtype=dtype)
+    targets = torch.randint(0, vocab, (n,), generator=gen)
+    targets[torch.rand(n, generator=gen) < 0.05] = -100
+    return hidden.requires_grad_(), weight.requires_grad_(), targets.to(device)
+
+
+def _bench_one(
+    name: str,
+    fn: LossFn,
+    shape: tuple[int, int, int],
+    dtype: torch.dtype,
+    device: torch.device,
+    warmup: int,
+    reps: int,
+) -> dict:
+    n, d, vocab = shape
+    row: dict = {"impl": name, "N": n, "d": d, "V": vocab, "dtype": str(dtype).split(".")[-1]}
+    hidden, weight, targets = _inputs(shape, dtype, device)
+
+    def fwd_bwd() -> Tensor:
+        hidden.grad = weight.grad = None
+        loss = fn(hidden, weight, targets)
+        loss.backward()
+        return loss
+
+    def fwd() -> None:
+        with torch.no_grad():
+            fn(hidden, weight, targets)
+
+    try:
+        row["loss"] = float(fwd_bwd().detach())
+        row["fwd_bwd_ms"] = _median_ms(fwd_bwd, device, warmup, reps)
+        row["fwd_ms"] = _median_ms(fwd, device, warmup, reps)
+        row["peak_extra_mib"] = _peak_extra_mib(fwd_bwd, device)
+        row["status"] = "ok"
+    except torch.OutOfMemoryError:
+        row["status"] = "oom"
+    except Exception as exc:  # a third-party kernel failing must not hide the other rows
+        row["status"] = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+    finally:
+        hidden.grad = weight.grad = None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if row["status"] == "ok":
+        row["tflops_6NdV"] = 6 * n * d * vocab / (row["fwd_bwd_ms"] * 1e-3) / 1e12
+        peak = _peak_tflops(dtype, device)
+        row["pct_peak"] = 100 * row["tflops_6NdV"] / peak if peak else None
+    return row
+
+
+def run_kernel_bench(
+    shapes: list[tuple[int, int, int]],
+    dtype: torch.dtype,
+    device: torch.device | str,
+    *,
+    impls: list[str] | None = None,
+    warmup: int = 2,
+    reps: int = 5,
+) -> list[dict]:
+    """Benchmark every available implementation on every ``(N, d, V)`` shape.
+
+    Args:
+        shapes: ``(N, d, V)`` triples.
+        dtype: Input dtype of ``hidden`` and ``weight``.
+        device: Where to run.
+        impls: Names to run (see :func:`available_impls`); ``None`` runs all available.
+        warmup: Untimed runs before timing (Triton compiles during the first).
+        reps: Timed runs; the median is reported.
+
+    Returns:
+        One dict per (shape, implementation): ``impl, N, d, V, dtype, loss, fwd_bwd_ms, fwd_ms,
+        peak_extra_mib, tflops_6NdV, pct_peak, status`` (``status`` is ``ok``, ``oom`` or the
+        error).
+    """
+    device = torch.device(device)
+    available = available_impls()
+    names = impls or list(available)
+    unknown = [name for name in names if name not in available]
+    if unknown:
+        raise ValueError(f"impls {unknown} are not available here (have {list(available)})")
+    rows = []
+    for shape in shapes:
+        for name in names:
+            rows.append(_bench_one(name, available[name], shape, dtype, device, warmup, reps))
+    return rows
+
+
+def run_config_sweep(
+    shape: tuple[int, int, int],
+    dtype: torch.dtype,
+    device: torch.device | str,
+    configs: list[TritonConfig] = SWEEP_CONFIGS,
+    *,
+    warmup: int = 1,
+    reps: int = 3,
+) -> list[dict]:
+    """Time the Triton implementation under several tile configurations (CUDA)."""
+    from mtp.kernels import linear_cross_entropy_triton
+
+    rows = []
+    for cfg in configs:
+
+        def fn(h, w, t, cfg=cfg):
+            return linear_cross_entropy_triton(h, w, t, config=cfg)
+
+        row = _bench_one("mtp-sweep", fn, shape, dtype, torch.device(device), warmup, reps)
+        row["config"] = (
+            f"n{cfg.block_n}_v{cfg.block_v}_d{cfg.block_d}_w{cfg.num_warps}_s{cfg.num_stages}"
+        )
+        rows.append(row)
+    return rows
+
+
+def environment() -> dict[str, str]:
+    """Hardware, library versions and git revision, stamped on every CSV row."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "none"
+    try:
+        rev = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=Path(__file__).resolve().parent,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).resolve().parent,
+        ).stdout.strip()
+        rev += "+dirty" if dirty else ""
+    except (OSError, subprocess.CalledProcessError):
+        rev = "unknown"
+    if torch.cuda.is_available():
+        hardware = torch.cuda.get_device_name(0)
+    else:
+        hardware = f"cpu:{platform.processor() or platform.machine()}"
+    return {
+        "hardware": hardware,
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "git_rev": rev,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+COLUMNS = [
+    "impl", "config", "N", "d", "V", "dtype", "fwd_bwd_ms", "fwd_ms", "peak_extra_mib",
+    "tflops_6NdV", "pct_peak", "loss", "status",
+]  # fmt: skip
+
+
+def format_table(rows: list[dict]) -> str:
+    """A fixed-width text table of benchmark rows."""
+    cols = [c for c in COLUMNS if any(c in row for row in rows)]
+
+    def cell(value) -> str:
+        if value is None:
+            return "-"
+        return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+    table = [cols] + [[cell(row.get(c)) for c in cols] for row in rows]
+    widths = [max(len(line[i]) for line in table) for i in range(len(cols))]
+    return "\n".join("  ".join(v.rjust(w) for v, w in zip(line, widths)) for line in table)
+
+
+def write_csv(rows: list[dict], path: str | Path) -> None:
+    """Write rows plus the environment columns; appends to an existing file with a header."""
+    env = environment()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fields = [c for c in COLUMNS if any(c in row for row in rows)] + list(env)
+    new = not path.exists()
+    with path.open("a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        if new:
+            writer.writeheader()
+        for row in rows:
+            writer.writerow({**row, **env})
+
+
+def _parse_shapes(text: str) -> list[tuple[int, int, int]]:
+    shapes = []
+    for part in text.split(";"):
+        values = tuple(int(v) for v in part.split(","))
+        if len(values) != 3:
+            raise argparse.ArgumentTypeError(f"--shapes expects N,d,V[;N,d,V...] (got {part!r})")
+        shapes.append(values)
+    return shapes
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    """Command-line entry: print a table and write a CSV."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", type=_parse_shapes, default=None, help="N,d,V[;N,d,V...]")
+    parser.add_argument("--dtype", choices=list(DTYPES), default=None, help="default bf16 on GPU")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--impls", default=None, help="comma-separated subset of implementations")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--sweep", action="store_true", help="tile sweep of the Triton kernels")
+    parser.add_argument("--csv", default="bench_results/kernel_bench.csv")
+    args = parser.parse_args(argv)
+
+    device = torch.device(args.device)
+    shapes = args.shapes or (GPU_SHAPES if device.type == "cuda" else CPU_SHAPES)
+    dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    if args.sweep:
+        rows = [r for s in shapes for r in run_config_sweep(s, dtype, device)]
+    else:
+        impls = args.impls.split(",") if args.impls else None
+        rows = run_kernel_bench(
+            shapes, dtype, device, impls=impls, warmup=args.warmup, reps=args.reps
+        )
+    env = environment()
+    print(", ".join(f"{k}={v}" for k, v in env.items()))
+    print(format_table(rows))
+    write_csv(rows, args.csv)
+    print(f"wrote {args.csv}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

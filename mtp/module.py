@@ -1,0 +1,108 @@
+"""The LightningModule: the step, the optimiser and schedule, per-head metrics. Nothing else."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import lightning as L
+import torch
+
+from mtp.checkpoint import mtp_metadata
+from mtp.config import LossConfig, ModelConfig, OptimConfig
+from mtp.loss import MTPLossOutput, mtp_inputs_targets, naive_mtp_loss
+from mtp.model import MTPTransformer, build_model
+
+
+class MTPModule(L.LightningModule):
+    """Trains an `MTPTransformer` on windows of seq_len + K tokens."""
+
+    def __init__(self, model: ModelConfig, optim: OptimConfig, loss: LossConfig) -> None:
+        super().__init__()
+        # Plain dicts in the checkpoint: it then loads with `weights_only=True`.
+        self.save_hyperparameters({"model": dataclasses.asdict(model),
+                                   "optim": dataclasses.asdict(optim),
+                                   "loss": dataclasses.asdict(loss)})
+        self.model_cfg, self.optim_cfg, self.loss_cfg = model, optim, loss
+        self.model: MTPTransformer = build_model(model)
+        self.flops_per_batch: float | None = None  # read by Lightning's ThroughputMonitor
+
+    # -- the step --------------------------------------------------------------------------
+    def compute_loss(self, window: torch.Tensor) -> MTPLossOutput:
+        inputs, targets = mtp_inputs_targets(window, self.model_cfg.n_future)
+        return naive_mtp_loss(self.model, inputs, targets, self.loss_cfg.head_weights)
+
+    def _log_heads(self, stage: str, out: MTPLossOutput, **kw) -> None:
+        metrics = {f"{stage}/loss_head{i + 1}": v for i, v in enumerate(out.head_losses)}
+        if out.head_accuracies is not None:
+            metrics |= {f"{stage}/acc_head{i + 1}": v
+                        for i, v in enumerate(out.head_accuracies)}
+        self.log_dict(metrics, **kw)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        if self.flops_per_batch is None:
+            T = batch.shape[1] - self.model_cfg.n_future
+            self.flops_per_batch = self.model.flops_per_token(T) * batch.shape[0] * T
+        out = self.compute_loss(batch)
+        self.log("train/loss", out.loss, prog_bar=True)
+        self._log_heads("train", out)
+        return out.loss
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        out = self.compute_loss(batch)
+        self.log("val/loss", out.loss, sync_dist=True)
+        # head 1 is the next-token loss, the number comparable across K and with other models
+        self.log("val/next_token_loss", out.head_losses[0], prog_bar=True, sync_dist=True)
+        self._log_heads("val", out, sync_dist=True)
+
+    # -- optimisation ----------------------------------------------------------------------
+    def configure_optimizers(self):
+        o = self.optim_cfg
+        decay, no_decay = [], []
+        embeddings = {id(self.model.embed.weight)}
+        for p in self.model.parameters():
+            # Norm gains are 1-D; embeddings are lookups: decaying either only hurts.
+            (no_decay if p.dim() < 2 or id(p) in embeddings else decay).append(p)
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": o.weight_decay},
+             {"params": no_decay, "weight_decay": 0.0}],
+            lr=o.lr, betas=o.betas, eps=o.eps, fused=None,
+        )
+        total = o.decay_steps or self.trainer.max_steps
+        if total is None or total < 1:
+            raise ValueError("set --trainer.max_steps or --optim.decay_steps: the cosine "
+                             "schedule needs a length")
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: lr_factor(step, o.warmup_steps, total, o.min_lr_ratio))
+        return {"optimizer": optimizer,
+                "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    # -- checkpoints carry what inference needs ---------------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["mtp"] = mtp_metadata(self.model_cfg, self.trainer.datamodule.tokenizer)
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        dm = self.trainer.datamodule if self._trainer is not None else None
+        saved = checkpoint.get("mtp", {}).get("tokenizer")
+        if dm is not None and dm.tokenizer is not None and saved is not None \
+                and saved != dm.tokenizer.to_str():
+            raise ValueError(
+                "the checkpoint was trained with a different tokenizer than --data gives now "
+                f"(checkpoint vocabulary: {_vocab_size(saved)}, data tokenizer: "
+                f"{dm.tokenizer.get_vocab_size()}); resume with the same --data.source and "
+                "--data.tokenizer"
+            )
+
+
+def _vocab_size(tokenizer_json: str) -> int:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_str(tokenizer_json).get_vocab_size()
+
+
+def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warmup to 1, then cosine decay to `min_ratio` at `total`, flat after."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
