@@ -12,12 +12,11 @@ import os
 import sys
 from pathlib import Path
 
-import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ThroughputMonitor
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-from lightning.pytorch.loggers import TensorBoardLogger
 
+from mtp.checkpoint import EOT_TOKEN
 from mtp.config import ConfigError, DataConfig, LossConfig, ModelConfig, OptimConfig, RunConfig
 from mtp.data import MTPDataModule, build_datamodule, unigram_entropy
 from mtp.module import MTPModule
@@ -35,6 +34,8 @@ TRAINER_DEFAULTS = {
     "precision": "32-true",
     "use_distributed_sampler": False,  # MTPDataModule shards its own resumable sampler
     "num_sanity_val_steps": 0,
+    "logger": {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+               "init_args": {"save_dir": "runs", "name": "mtp", "default_hp_metric": False}},
 }
 
 
@@ -54,8 +55,19 @@ def run_config(namespace) -> RunConfig:
                      optim=OptimConfig(**namespace.optim), loss=LossConfig(**namespace.loss))
 
 
-def _windows_in(batch: torch.Tensor) -> int:
-    return batch.shape[0]
+def default_callbacks(n_future: int) -> list:
+    """Checkpoints (last and best next-token loss), learning rate, tokens per second and MFU.
+
+    MFU needs the device's peak FLOPs, which Lightning knows for GPUs and not for CPUs.
+    """
+    return [
+        ModelCheckpoint(monitor="val/next_token_loss", mode="min", save_last=True,
+                        filename="best-{step}"),
+        LearningRateMonitor(logging_interval="step"),
+        # items are input tokens: a window holds T inputs and K extra targets
+        ThroughputMonitor(batch_size_fn=lambda batch: batch.shape[0],
+                          length_fn=lambda batch: batch.shape[1] - n_future, window_size=10),
+    ]
 
 
 class MTPCLI(LightningCLI):
@@ -69,6 +81,8 @@ class MTPCLI(LightningCLI):
         c = self.config_init[self.subcommand] if self.subcommand else self.config_init
         run = RunConfig(model=c.model, data=c.data, optim=c.optim, loss=c.loss)  # cross-checks
         self.run_config = run
+        self.trainer_defaults = {**self.trainer_defaults,
+                                 "callbacks": default_callbacks(run.model.n_future)}
         self.model = MTPModule(run.model, run.optim, run.loss)
         self.datamodule = build_datamodule(run.data, vocab_size=run.model.vocab_size,
                                            n_future=run.model.n_future)
@@ -93,10 +107,10 @@ def report_fit(trainer, module: MTPModule, dm: MTPDataModule) -> None:
     from mtp.decoding import generate
 
     prompt = "def fibonacci(n):\n"
-    ids = torch.tensor([dm.tokenizer.encode(prompt).ids], device=module.device)
     module.model.eval()
-    new, _ = generate(module.model, ids, 64, decoder="greedy")
-    print(f"\ngreedy sample:\n{prompt}{dm.tokenizer.decode(new[0].tolist())}\n")
+    new, _ = generate(module.model, [dm.tokenizer.encode(prompt).ids], 64, decoder="greedy",
+                      eot_id=dm.tokenizer.token_to_id(EOT_TOKEN))
+    print(f"\ngreedy sample:\n{prompt}{dm.tokenizer.decode(new[0])}\n")
     ckpt = trainer.checkpoint_callback
     if ckpt is not None:
         print(f"checkpoints: {ckpt.last_model_path} (last), {ckpt.best_model_path} (best)")
@@ -112,17 +126,7 @@ def fit_main(argv: list[str]) -> int:
         datamodule_class=MTPDataModule,
         args=None if argv == sys.argv[1:] else argv,
         seed_everything_default=1234,
-        trainer_defaults={
-            **TRAINER_DEFAULTS,
-            "logger": TensorBoardLogger(save_dir="runs", name="mtp", default_hp_metric=False),
-            "callbacks": [
-                ModelCheckpoint(monitor="val/next_token_loss", mode="min", save_last=True,
-                                filename="best-{step}"),
-                LearningRateMonitor(logging_interval="step"),
-                ThroughputMonitor(batch_size_fn=_windows_in,
-                                  length_fn=lambda batch: batch.shape[1]),
-            ],
-        },
+        trainer_defaults=TRAINER_DEFAULTS,
         auto_configure_optimizers=False,
         save_config_kwargs={"overwrite": True},
         parser_kwargs={"description": __doc__, "allow_abbrev": False},

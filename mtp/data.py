@@ -75,7 +75,7 @@ def _looks_local(source: str) -> bool:
                                                                        *TABLE_SUFFIXES)
 
 
-def _read_text_files(files: list[Path], root: Path | None) -> tuple[list[tuple[str, str]], int]:
+def _read_text_files(files: list[Path], root: Path) -> tuple[list[tuple[str, str]], int]:
     docs, skipped = [], 0
     for path in tqdm(files, desc="reading files", unit="file", leave=False):
         try:
@@ -84,12 +84,11 @@ def _read_text_files(files: list[Path], root: Path | None) -> tuple[list[tuple[s
             log.debug("skipping %s: %s", path, err)
             skipped += 1
             continue
-        name = str(path.relative_to(root)) if root is not None else str(path)
-        docs.append((name, text))
+        docs.append((str(path.relative_to(root)), text))
     return docs, skipped
 
 
-def _read_table_files(files: list[Path], text_field: str) -> list[tuple[str, str]]:
+def _read_table_files(files: list[Path], root: Path, text_field: str) -> list[tuple[str, str]]:
     import datasets
 
     docs = []
@@ -99,7 +98,7 @@ def _read_table_files(files: list[Path], text_field: str) -> list[tuple[str, str
         if text_field not in ds.column_names:
             raise ValueError(f"{path} has no field {text_field!r} (--data.text_field); "
                              f"fields: {ds.column_names}")
-        docs += [(f"{path}:{i}", t) for i, t in enumerate(ds[text_field]) if t]
+        docs += [(f"{path.relative_to(root)}:{i}", t) for i, t in enumerate(ds[text_field]) if t]
     return docs
 
 
@@ -131,8 +130,11 @@ def load_corpus(cfg: DataConfig) -> Corpus:
         if not files:
             raise FileNotFoundError(
                 f"--data.source {cfg.source!r} matches no .py, .txt, .jsonl or .parquet files")
-        docs, skipped = _read_text_files([f for f in files if f.suffix in TEXT_SUFFIXES], None)
-        docs += _read_table_files([f for f in files if f.suffix in TABLE_SUFFIXES],
+        # names relative to the files' common folder: the split does not depend on where the
+        # corpus lives or on how it was named (directory or glob)
+        root = Path(os.path.commonpath([f.parent for f in files]))
+        docs, skipped = _read_text_files([f for f in files if f.suffix in TEXT_SUFFIXES], root)
+        docs += _read_table_files([f for f in files if f.suffix in TABLE_SUFFIXES], root,
                                   cfg.text_field)
     else:
         docs, extra = _read_hub(cfg)

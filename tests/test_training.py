@@ -1,0 +1,174 @@
+"""Training through Lightning: resume, checkpoints, the `mtp fit` CLI, every shipped YAML."""
+
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import yaml
+from lightning.pytorch.cli import LightningArgumentParser
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from mtp.checkpoint import load_checkpoint
+from mtp.cli import add_run_arguments, main, run_config
+from mtp.config import DataConfig, LossConfig, ModelConfig, OptimConfig
+from mtp.data import MTPDataModule
+from mtp.module import MTPModule, lr_factor
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = ModelConfig(vocab_size=300, d_model=32, n_layers=1, n_heads=2, n_future=2, max_seq_len=32)
+
+
+class Record(L.Callback):
+    """Loss, learning rate and first window of every training step."""
+
+    def __init__(self) -> None:
+        self.rows = []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        self.rows.append((trainer.global_step, float(outputs["loss"]),
+                          trainer.optimizers[0].param_groups[0]["lr"], batch[0, :4].tolist()))
+
+
+def _fit(corpus, tmp_path, max_steps, *, ckpt_path=None, save_to=None, accumulate=1,
+         model_cfg=TINY, tokenizer=None):
+    L.seed_everything(0)
+    data = DataConfig(source=str(corpus), cache_dir=str(tmp_path / "cache"), seq_len=16,
+                      batch_size=4, val_fraction=0.1, tokenizer=tokenizer)
+    module = MTPModule(model_cfg, OptimConfig(lr=1e-2, warmup_steps=2, decay_steps=10),
+                       LossConfig())
+    dm = MTPDataModule(data, vocab_size=model_cfg.vocab_size, n_future=model_cfg.n_future)
+    rec = Record()
+    trainer = L.Trainer(max_steps=max_steps, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[rec],
+                        use_distributed_sampler=False, limit_val_batches=0,
+                        accumulate_grad_batches=accumulate, gradient_clip_val=1.0)
+    trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path)
+    if save_to is not None:
+        trainer.save_checkpoint(save_to)
+    return rec.rows
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_resume_continues_step_lr_data_and_loss(tiny_corpus, tmp_path, accumulate):
+    full = _fit(tiny_corpus, tmp_path, 8, accumulate=accumulate)
+    ckpt = tmp_path / "half.ckpt"
+    first = _fit(tiny_corpus, tmp_path, 4, save_to=ckpt, accumulate=accumulate)
+    second = _fit(tiny_corpus, tmp_path, 8, ckpt_path=ckpt, accumulate=accumulate)
+    assert first == full[:len(first)]
+    assert len(first) + len(second) == len(full)
+    for a, b in zip(second, full[len(first):]):
+        assert a[0] == b[0] and a[2] == pytest.approx(b[2], rel=1e-12) and a[3] == b[3]
+        assert a[1] == pytest.approx(b[1], rel=1e-5), "loss after resume differs"
+
+
+def test_resume_with_another_tokenizer_is_refused(tiny_corpus, tmp_path):
+    ckpt = tmp_path / "a.ckpt"
+    _fit(tiny_corpus, tmp_path, 2, save_to=ckpt)
+    other = tmp_path / "other.json"
+    from mtp.data import load_corpus, train_tokenizer
+
+    # same size, other merges: BPE trained on the corpus read backwards
+    docs = load_corpus(DataConfig(source=str(tiny_corpus))).train
+    tok = train_tokenizer([d[::-1] for d in docs], TINY.vocab_size, 10**6)
+    assert tok.get_vocab_size() == TINY.vocab_size
+    tok.save(str(other))
+    with pytest.raises(ValueError, match="different tokenizer"):
+        _fit(tiny_corpus, tmp_path, 4, ckpt_path=ckpt, tokenizer=str(other))
+
+
+def test_checkpoint_carries_config_and_tokenizer(tiny_corpus, tmp_path):
+    ckpt = tmp_path / "a.ckpt"
+    _fit(tiny_corpus, tmp_path, 2, save_to=ckpt)
+    model, tok = load_checkpoint(ckpt)  # weights_only=True: nothing but plain data inside
+    assert model.cfg == TINY
+    assert tok.decode(tok.encode("def f(x):\n    return x\n").ids) == "def f(x):\n    return x\n"
+    raw = torch.load(ckpt, weights_only=True)
+    small = ModelConfig(**{**TINY.__dict__, "vocab_size": 10})
+    raw["mtp"]["model_config"] = small.__dict__
+    raw["state_dict"]["model.embed.weight"] = raw["state_dict"]["model.embed.weight"][:10]
+    raw["state_dict"]["model.unembed.weight"] = raw["state_dict"]["model.unembed.weight"][:10]
+    torch.save(raw, tmp_path / "bad.ckpt")
+    with pytest.raises(ValueError, match="vocab_size"):
+        load_checkpoint(tmp_path / "bad.ckpt")
+
+
+def test_lr_schedule_warms_up_then_decays_to_floor():
+    f = [lr_factor(s, 10, 110, 0.1) for s in range(130)]
+    assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(f[10:], f[11:]))
+    assert f[110] == pytest.approx(0.1) and f[129] == pytest.approx(0.1)
+
+
+def test_no_weight_decay_on_norms_and_embeddings():
+    module = MTPModule(TINY, OptimConfig(), LossConfig())
+    module.trainer = L.Trainer(max_steps=10, logger=False)
+    groups = module.configure_optimizers()["optimizer"].param_groups
+    no_decay = {id(p) for p in groups[1]["params"]}
+    assert groups[1]["weight_decay"] == 0.0 and groups[0]["weight_decay"] > 0
+    assert id(module.model.embed.weight) in no_decay
+    assert id(module.model.norm.weight) in no_decay
+    assert id(module.model.unembed.weight) not in no_decay
+
+
+def _parser() -> LightningArgumentParser:
+    parser = LightningArgumentParser(allow_abbrev=False)
+    add_run_arguments(parser)
+    return parser
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")),
+                         ids=lambda p: p.name)
+def test_every_shipped_config_loads_and_validates(path):
+    ns = _parser().parse_object(yaml.safe_load(path.read_text()))
+    run = run_config(ns)
+    assert run.model.n_future >= 1 and run.data.seq_len <= run.model.max_seq_len
+
+
+def test_default_config_file_spells_out_the_defaults():
+    parser = _parser()
+    from_file = parser.parse_object(yaml.safe_load((REPO / "configs" / "cpu.yaml").read_text()))
+    assert run_config(from_file) == run_config(parser.parse_args([]))
+    assert from_file.trainer == parser.parse_args([]).trainer
+
+
+def test_misspelled_keys_are_rejected(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  n_futur: 2\n")
+    with pytest.raises(SystemExit) as err:
+        main(["fit", "--config", str(bad)])
+    assert err.value.code != 0 and "n_futur" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["fit", "--model.n_futur", "2"])  # an abbreviation is not accepted either
+    assert "n_futur" in capsys.readouterr().err
+
+
+def test_invalid_values_name_every_flag(capsys):
+    code = main(["fit", "--model.n_future", "0", "--data.seq_len", "512"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--model.n_future must be >= 1 (got 0)" in err
+    code = main(["fit", "--data.seq_len", "512"])
+    assert code == 2 and "--data.seq_len (512) exceeds --model.max_seq_len (256)" in \
+        capsys.readouterr().err
+
+
+def test_mtp_fit_end_to_end(tiny_corpus, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    code = main(["fit", "--config", str(REPO / "configs" / "debug.yaml"),
+                 "--data.source", str(tiny_corpus), "--trainer.max_steps", "12",
+                 "--trainer.val_check_interval", "6", "--trainer.enable_progress_bar", "false"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "head 1: loss" in out and "head 2: loss" in out and "greedy sample" in out
+    run = tmp_path / "runs" / "mtp" / "version_0"
+    assert (run / "config.yaml").is_file() and (run / "checkpoints" / "last.ckpt").is_file()
+    assert yaml.safe_load((run / "config.yaml").read_text())["model"]["n_future"] == 2
+    model, _ = load_checkpoint(run / "checkpoints" / "last.ckpt")
+    assert model.cfg.n_future == 2
+    events = EventAccumulator(str(run))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    for name in ("val/loss_head1", "val/loss_head2", "train/loss_head2", "train/acc_head1",
+                 "val/acc_head2"):
+        assert name in tags, f"{name} missing from TensorBoard: {sorted(tags)}"
+    assert any("items_per_sec" in t for t in tags), "tokens per second not logged"
