@@ -221,7 +221,7 @@ class OptimConfig:
 class LossConfig:
     """How the sum over heads of the cross-entropies is computed."""
 
-    strategy: Literal["naive", "sequential"] = "naive"
+    strategy: Literal["naive", "sequential"] = "sequential"
     """`naive` holds all K heads' logits at once; `sequential` runs one head at a time."""
     head_weights: list[float] | None = None
     """Weight w_i of head i in the loss (None: 1 for every head)."""

@@ -1,8 +1,9 @@
 """The multi-token-prediction loss: sum over heads of w_i * CE_i.
 
-Head i (1-based) at position t is trained on token t + i of the window. `mtp_targets` cuts the
-K target rows out of a window of T + K tokens; `naive_mtp_loss` is the reference that holds all
-K heads' logits at once.
+Head i (1-based) at position t is trained on token t + i of the window. `mtp_inputs_targets` cuts
+the K target rows out of a window of T + K tokens. `naive_mtp_loss` is the reference that holds
+all K heads' logits at once; `sequential_mtp_loss` runs the heads one at a time through the fused
+linear-cross-entropy kernel, so no [N, V] logits buffer is ever held; `head_metrics` evaluates.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from mtp.kernels import linear_cross_entropy
 from mtp.model import MTPTransformer
 
 IGNORE_INDEX = -100
@@ -65,3 +67,111 @@ def naive_mtp_loss(
         hits = (logits.argmax(-1).flatten(1) == targets.flatten(1)) & valid
         acc = hits.sum(1) / valid.sum(1).clamp(min=1)
     return MTPLossOutput(loss, head_losses.detach(), acc)
+
+
+class _SequentialHeads(torch.autograd.Function):
+    """All K heads' losses, one head at a time, with every gradient computed in the forward.
+
+    For each head: head forward on the trunk output, fused linear-cross-entropy forward and
+    backward (no [N, V] logits), gradients added into one buffer per parameter (one for the shared
+    unembedding W), then the head's activations are freed. The outer backward only scales the
+    stored gradients by the incoming one and hands dL/dh to the trunk.
+
+    Doing the head backward inside an autograd node (rather than calling `.backward()` in the
+    training step) keeps the step a single forward and a single backward: gradient accumulation
+    and loss scaling arrive as `grad_out`, and DDP's hooks see every gradient in its one backward.
+    """
+
+    @staticmethod
+    def forward(ctx, model, rope, targets, weights, with_accuracy, h, *params):
+        head_losses, head_accs = [], []
+        with torch.enable_grad():
+            h_leaf = h.detach().requires_grad_()
+            grads = dict.fromkeys([h_leaf, *params])  # summed over heads, in place
+            for i in range(model.cfg.n_future):
+                z = model.head_hidden(i, h_leaf, rope)  # (B, T, d)
+                loss = linear_cross_entropy(z.flatten(0, 1), model.unembed.weight,
+                                            targets[i].flatten(), ignore_index=IGNORE_INDEX)
+                head_losses.append(loss.detach())
+                if with_accuracy:
+                    head_accs.append(_accuracy(z.detach().flatten(0, 1), model.unembed.weight,
+                                               targets[i].flatten()))
+                wrt = [h_leaf, *(p for p in params if _in_head(p, model, i))]
+                for p, g in zip(wrt, torch.autograd.grad(weights[i] * loss, wrt)):
+                    grads[p] = g if grads[p] is None else grads[p].add_(g)
+                del z, loss  # frees this head's activations before the next head runs
+        ctx.save_for_backward(*grads.values())
+        head_losses = torch.stack(head_losses)
+        head_accs = torch.stack(head_accs) if with_accuracy else head_losses.new_zeros(0)
+        ctx.mark_non_differentiable(head_losses, head_accs)
+        return (weights * head_losses).sum(), head_losses, head_accs
+
+    @staticmethod
+    def backward(ctx, grad_total, _grad_heads, _grad_accs):
+        h_grad, *grads = ctx.saved_tensors
+        return (None, None, None, None, None, h_grad * grad_total,
+                *(None if g is None else g * grad_total for g in grads))
+
+
+def _in_head(p: torch.Tensor, model: MTPTransformer, i: int) -> bool:
+    """Whether head i's loss depends on parameter p (its own block, the norm, the unembedding)."""
+    return p is model.norm.weight or p is model.unembed.weight or any(
+        p is q for q in model.heads[i].parameters())
+
+
+def sequential_mtp_loss(
+    model: MTPTransformer,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    head_weights: list[float] | None = None,
+    *,
+    with_accuracy: bool = False,
+) -> MTPLossOutput:
+    """The MTP loss with the loss path's peak memory independent of K.
+
+    Trunk forward once; the heads run one at a time inside `_SequentialHeads` with the fused
+    linear-cross-entropy kernel; the trunk backward runs once, with dL/dh summed over heads.
+    Gradients equal those of `naive_mtp_loss`. Top-1 accuracy costs one more unembedding
+    matmul per head (chunked, no gradient), so it is computed only when asked for.
+    """
+    if not torch.is_grad_enabled():
+        return head_metrics(model, inputs, targets, head_weights)
+    h, rope = model.trunk(inputs)  # (B, T, d)
+    params = [*model.heads.parameters(), model.norm.weight, model.unembed.weight]
+    params = list({id(p): p for p in params}.values())  # a tied or shared tensor once
+    weights = _head_weights(head_weights, model.cfg.n_future, h.device)
+    loss, head_losses, head_accs = _SequentialHeads.apply(model, rope, targets, weights,
+                                                          with_accuracy, h, *params)
+    return MTPLossOutput(loss, head_losses, head_accs if with_accuracy else None)
+
+
+@torch.no_grad()
+def head_metrics(
+    model: MTPTransformer,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    head_weights: list[float] | None = None,
+    chunk: int = 1024,
+) -> MTPLossOutput:
+    """Per-head loss and top-1 accuracy without gradients, holding chunk x V logits at most."""
+    h, rope = model.trunk(inputs)
+    W = model.unembed.weight
+    losses, accs = [], []
+    for i in range(model.cfg.n_future):
+        z = model.head_hidden(i, h, rope).flatten(0, 1)  # (N, d)
+        t = targets[i].flatten()
+        losses.append(linear_cross_entropy(z, W, t, ignore_index=IGNORE_INDEX))
+        accs.append(_accuracy(z, W, t, chunk))
+    losses = torch.stack(losses)
+    weights = _head_weights(head_weights, len(losses), h.device)
+    return MTPLossOutput((weights * losses).sum(), losses, torch.stack(accs))
+
+
+@torch.no_grad()
+def _accuracy(z: torch.Tensor, W: torch.Tensor, t: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """Top-1 accuracy of z @ W.T (z is (N, d)) over non-ignored targets, chunk x V at a time."""
+    hits = z.new_zeros((), dtype=torch.long)
+    for a in range(0, len(t), chunk):
+        pred = (z[a:a + chunk] @ W.T).argmax(-1)  # (chunk,)
+        hits += (pred == t[a:a + chunk]).sum()  # an ignored target (-100) never matches
+    return hits / (t != IGNORE_INDEX).sum().clamp(min=1)

@@ -10,7 +10,13 @@ import torch
 
 from mtp.checkpoint import mtp_metadata
 from mtp.config import LossConfig, ModelConfig, OptimConfig
-from mtp.loss import MTPLossOutput, mtp_inputs_targets, naive_mtp_loss
+from mtp.loss import (
+    MTPLossOutput,
+    head_metrics,
+    mtp_inputs_targets,
+    naive_mtp_loss,
+    sequential_mtp_loss,
+)
 from mtp.model import MTPTransformer, build_model
 
 
@@ -28,9 +34,15 @@ class MTPModule(L.LightningModule):
         self.flops_per_batch: float | None = None  # read by Lightning's ThroughputMonitor
 
     # -- the step --------------------------------------------------------------------------
-    def compute_loss(self, window: torch.Tensor) -> MTPLossOutput:
+    def compute_loss(self, window: torch.Tensor, *, with_accuracy: bool = True) -> MTPLossOutput:
         inputs, targets = mtp_inputs_targets(window, self.model_cfg.n_future)
-        return naive_mtp_loss(self.model, inputs, targets, self.loss_cfg.head_weights)
+        weights = self.loss_cfg.head_weights
+        if self.loss_cfg.strategy == "naive":
+            return naive_mtp_loss(self.model, inputs, targets, weights)
+        if not torch.is_grad_enabled():
+            return head_metrics(self.model, inputs, targets, weights)
+        return sequential_mtp_loss(self.model, inputs, targets, weights,
+                                   with_accuracy=with_accuracy)
 
     def _log_heads(self, stage: str, out: MTPLossOutput, **kw) -> None:
         metrics = {f"{stage}/loss_head{i + 1}": v for i, v in enumerate(out.head_losses)}
@@ -43,7 +55,9 @@ class MTPModule(L.LightningModule):
         if self.flops_per_batch is None:
             T = batch.shape[1] - self.model_cfg.n_future
             self.flops_per_batch = self.model.flops_per_token(T) * batch.shape[0] * T
-        out = self.compute_loss(batch)
+        # accuracy costs the sequential pass an extra matmul per head: only on logging steps
+        out = self.compute_loss(
+            batch, with_accuracy=self.global_step % self.trainer.log_every_n_steps == 0)
         self.log("train/loss", out.loss, prog_bar=True)
         self._log_heads("train", out)
         return out.loss
