@@ -8,6 +8,7 @@ linear-cross-entropy kernel, so no [N, V] logits buffer is ever held; `head_metr
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -52,8 +53,21 @@ def naive_mtp_loss(
     head_weights: list[float] | None = None,
 ) -> MTPLossOutput:
     """Reference MTP loss: all heads' logits (K, B, T, V) are materialised together."""
-    logits = model(inputs)  # (K, B, T, V)
-    K = logits.shape[0]
+    h, rope = model.trunk(inputs)
+    return naive_heads_loss(model, h, rope, targets, head_weights)
+
+
+def naive_heads_loss(
+    model: MTPTransformer,
+    h: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    targets: torch.Tensor,
+    head_weights: list[float] | None = None,
+) -> MTPLossOutput:
+    """The heads' part of `naive_mtp_loss`, from the trunk output h (B, T, d)."""
+    K = model.cfg.n_future
+    logits = torch.stack([model.unembed(model.head_hidden(i, h, rope))
+                          for i in range(K)])  # (K, B, T, V)
     # at least fp32 (bf16 logits would round the loss), but keep fp64 when testing in fp64
     dtype = torch.promote_types(logits.dtype, torch.float32)
     ce = F.cross_entropy(
@@ -83,15 +97,15 @@ class _SequentialHeads(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, model, rope, targets, weights, with_accuracy, h, *params):
+    def forward(ctx, model, rope, targets, weights, with_accuracy, ce, h, *params):
         head_losses, head_accs = [], []
         with torch.enable_grad():
             h_leaf = h.detach().requires_grad_()
             grads = dict.fromkeys([h_leaf, *params])  # summed over heads, in place
             for i in range(model.cfg.n_future):
                 z = model.head_hidden(i, h_leaf, rope)  # (B, T, d)
-                loss = linear_cross_entropy(z.flatten(0, 1), model.unembed.weight,
-                                            targets[i].flatten(), ignore_index=IGNORE_INDEX)
+                loss = ce(z.flatten(0, 1), model.unembed.weight, targets[i].flatten(),
+                          ignore_index=IGNORE_INDEX)
                 head_losses.append(loss.detach())
                 if with_accuracy:
                     head_accs.append(_accuracy(z.detach().flatten(0, 1), model.unembed.weight,
@@ -100,7 +114,10 @@ class _SequentialHeads(torch.autograd.Function):
                 for p, g in zip(wrt, torch.autograd.grad(weights[i] * loss, wrt)):
                     grads[p] = g if grads[p] is None else grads[p].add_(g)
                 del z, loss  # frees this head's activations before the next head runs
-        ctx.save_for_backward(*grads.values())
+        # Plain attributes, not save_for_backward: backward hands each buffer over (scaled in
+        # place) instead of allocating a scaled copy next to it, which would double the
+        # gradients' memory right when the trunk backward starts.
+        ctx.grads = list(grads.values())
         head_losses = torch.stack(head_losses)
         head_accs = torch.stack(head_accs) if with_accuracy else head_losses.new_zeros(0)
         ctx.mark_non_differentiable(head_losses, head_accs)
@@ -108,9 +125,17 @@ class _SequentialHeads(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_total, _grad_heads, _grad_accs):
-        h_grad, *grads = ctx.saved_tensors
-        return (None, None, None, None, None, h_grad * grad_total,
-                *(None if g is None else g * grad_total for g in grads))
+        if not hasattr(ctx, "grads"):
+            raise RuntimeError("the sequential MTP loss supports a single backward pass "
+                               "(its gradients were computed in the forward and handed over)")
+        grads = ctx.grads
+        del ctx.grads
+        # grad_total is 1, or 1 / accumulate_grad_batches, or a loss scale: a scalar
+        if not (grad_total == 1).all():
+            for g in grads:
+                if g is not None:
+                    g.mul_(grad_total.to(g.dtype))
+        return (None, None, None, None, None, None, *grads)
 
 
 def _in_head(p: torch.Tensor, model: MTPTransformer, i: int) -> bool:
@@ -137,11 +162,30 @@ def sequential_mtp_loss(
     if not torch.is_grad_enabled():
         return head_metrics(model, inputs, targets, head_weights)
     h, rope = model.trunk(inputs)  # (B, T, d)
+    return sequential_heads_loss(model, h, rope, targets, head_weights,
+                                 with_accuracy=with_accuracy)
+
+
+def sequential_heads_loss(
+    model: MTPTransformer,
+    h: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    targets: torch.Tensor,
+    head_weights: list[float] | None = None,
+    *,
+    with_accuracy: bool = False,
+    ce: Callable[..., torch.Tensor] = linear_cross_entropy,
+) -> MTPLossOutput:
+    """The heads' part of `sequential_mtp_loss`, from the trunk output h (B, T, d).
+
+    `ce(hidden, weight, targets, ignore_index=...)` is the linear cross-entropy; benchmarks swap
+    in an unfused one to separate what the sequential order saves from what the kernel saves.
+    """
     params = [*model.heads.parameters(), model.norm.weight, model.unembed.weight]
     params = list({id(p): p for p in params}.values())  # a tied or shared tensor once
     weights = _head_weights(head_weights, model.cfg.n_future, h.device)
     loss, head_losses, head_accs = _SequentialHeads.apply(model, rope, targets, weights,
-                                                          with_accuracy, h, *params)
+                                                          with_accuracy, ce, h, *params)
     return MTPLossOutput(loss, head_losses, head_accs if with_accuracy else None)
 
 

@@ -204,7 +204,8 @@ class MTPTransformer(nn.Module):
             else:
                 nn.init.normal_(p, std=self.cfg.init_std)
 
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cosine and sine tables (B, 1, T, hd / 2) for RoPE positions (B, T)."""
         if positions.max() >= self.cfg.max_seq_len:
             raise ValueError(
                 f"position {int(positions.max())} is past --model.max_seq_len "
@@ -244,7 +245,7 @@ class MTPTransformer(nn.Module):
             raise ValueError("decoding with a KV cache needs both `slots` and `mask`")
         if positions is None:
             positions = torch.arange(idx.shape[1], device=idx.device).expand(idx.shape[0], -1)
-        rope = self._rope(positions)
+        rope = self.rotary(positions)
         x = self.embed(idx)  # (B, T, d)
         for i, block in enumerate(self.blocks):
             x = block(x, *rope, self._layer_kv(cache, i), slots, mask)
