@@ -22,18 +22,12 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime
-import platform
-import statistics
-import subprocess
-import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from mtp.bench import environment, format_table, median_ms, write_csv
 from mtp.kernels import TritonConfig, linear_cross_entropy, linear_cross_entropy_reference
 
 LossFn = Callable[[Tensor, Tensor, Tensor], Tensor]
@@ -85,19 +79,6 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median_ms(fn: Callable[[], object], device: torch.device, warmup: int, reps: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
 def _peak_extra_mib(fn: Callable[[], object], device: torch.device) -> float | None:
     """Peak memory above what was allocated before ``fn`` (CUDA only)."""
     if device.type != "cuda":
@@ -118,28 +99,30 @@ def _peak_tflops(dtype: torch.dtype, device: torch.device) -> float | None:
 
 
 def _inputs(shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device):
+    """Logits with std ~2, as in a trained LM head, and 5% ignored positions; drawn on the device
+    (the largest default weight is 0.5 G elements, seconds to draw on a CPU)."""
     n, d, vocab = shape
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    # Logits with std ~2, as in a trained LM head, and 5% ignored positions.
-    hidden = torch.randn(n, d, generator=gen).to(device=device, dtype=dtype)
-    weight = (torch.randn(vocab, d, generator=gen) * (2.0 / d**0.5)).to(device=device, dtype=dtype)
-    targets = torch.randint(0, vocab, (n,), generator=gen)
-    targets[torch.rand(n, generator=gen) < 0.05] = -100
-    return hidden.requires_grad_(), weight.requires_grad_(), targets.to(device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    hidden = torch.randn(n, d, generator=gen, device=device, dtype=dtype)
+    weight = torch.randn(vocab, d, generator=gen, device=device, dtype=dtype).mul_(2.0 / d**0.5)
+    targets = torch.randint(0, vocab, (n,), generator=gen, device=device)
+    targets[torch.rand(n, generator=gen, device=device) < 0.05] = -100
+    return hidden.requires_grad_(), weight.requires_grad_(), targets
 
 
 def _bench_one(
     name: str,
     fn: LossFn,
-    shape: tuple[int, int, int],
-    dtype: torch.dtype,
+    inputs: tuple[Tensor, Tensor, Tensor],
     device: torch.device,
     warmup: int,
     reps: int,
 ) -> dict:
-    n, d, vocab = shape
+    hidden, weight, targets = inputs
+    n, d = hidden.shape
+    vocab = weight.shape[0]
+    dtype = hidden.dtype
     row: dict = {"impl": name, "N": n, "d": d, "V": vocab, "dtype": str(dtype).split(".")[-1]}
-    hidden, weight, targets = _inputs(shape, dtype, device)
 
     def fwd_bwd() -> Tensor:
         hidden.grad = weight.grad = None
@@ -153,8 +136,8 @@ def _bench_one(
 
     try:
         row["loss"] = float(fwd_bwd().detach())
-        row["fwd_bwd_ms"] = _median_ms(fwd_bwd, device, warmup, reps)
-        row["fwd_ms"] = _median_ms(fwd, device, warmup, reps)
+        row["fwd_bwd_ms"] = median_ms(fwd_bwd, device, warmup, reps)
+        row["fwd_ms"] = median_ms(fwd, device, warmup, reps)
         row["peak_extra_mib"] = _peak_extra_mib(fwd_bwd, device)
         row["status"] = "ok"
     except torch.OutOfMemoryError:
@@ -204,8 +187,10 @@ def run_kernel_bench(
         raise ValueError(f"impls {unknown} are not available here (have {list(available)})")
     rows = []
     for shape in shapes:
+        inputs = _inputs(shape, dtype, device)
         for name in names:
-            rows.append(_bench_one(name, available[name], shape, dtype, device, warmup, reps))
+            rows.append(_bench_one(name, available[name], inputs, device, warmup, reps))
+        del inputs
     return rows
 
 
@@ -221,13 +206,15 @@ def run_config_sweep(
     """Time the Triton implementation under several tile configurations (CUDA)."""
     from mtp.kernels import linear_cross_entropy_triton
 
+    device = torch.device(device)
+    inputs = _inputs(shape, dtype, device)
     rows = []
     for cfg in configs:
 
         def fn(h, w, t, cfg=cfg):
             return linear_cross_entropy_triton(h, w, t, config=cfg)
 
-        row = _bench_one("mtp-sweep", fn, shape, dtype, torch.device(device), warmup, reps)
+        row = _bench_one("mtp-sweep", fn, inputs, device, warmup, reps)
         row["config"] = (
             f"n{cfg.block_n}_v{cfg.block_v}_d{cfg.block_d}_w{cfg.num_warps}_s{cfg.num_stages}"
         )
@@ -235,77 +222,10 @@ def run_config_sweep(
     return rows
 
 
-def environment() -> dict[str, str]:
-    """Hardware, library versions and git revision, stamped on every CSV row."""
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = "none"
-    try:
-        rev = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=Path(__file__).resolve().parent,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain"],
-            capture_output=True,
-            text=True,
-            cwd=Path(__file__).resolve().parent,
-        ).stdout.strip()
-        rev += "+dirty" if dirty else ""
-    except (OSError, subprocess.CalledProcessError):
-        rev = "unknown"
-    if torch.cuda.is_available():
-        hardware = torch.cuda.get_device_name(0)
-    else:
-        hardware = f"cpu:{platform.processor() or platform.machine()}"
-    return {
-        "hardware": hardware,
-        "torch": torch.__version__,
-        "triton": triton_version,
-        "git_rev": rev,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
-
-
 COLUMNS = [
     "impl", "config", "N", "d", "V", "dtype", "fwd_bwd_ms", "fwd_ms", "peak_extra_mib",
     "tflops_6NdV", "pct_peak", "loss", "status",
 ]  # fmt: skip
-
-
-def format_table(rows: list[dict]) -> str:
-    """A fixed-width text table of benchmark rows."""
-    cols = [c for c in COLUMNS if any(c in row for row in rows)]
-
-    def cell(value) -> str:
-        if value is None:
-            return "-"
-        return f"{value:.4g}" if isinstance(value, float) else str(value)
-
-    table = [cols] + [[cell(row.get(c)) for c in cols] for row in rows]
-    widths = [max(len(line[i]) for line in table) for i in range(len(cols))]
-    return "\n".join("  ".join(v.rjust(w) for v, w in zip(line, widths)) for line in table)
-
-
-def write_csv(rows: list[dict], path: str | Path) -> None:
-    """Write rows plus the environment columns; appends to an existing file with a header."""
-    env = environment()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fields = [c for c in COLUMNS if any(c in row for row in rows)] + list(env)
-    new = not path.exists()
-    with path.open("a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
-        if new:
-            writer.writeheader()
-        for row in rows:
-            writer.writerow({**row, **env})
 
 
 def _parse_shapes(text: str) -> list[tuple[int, int, int]]:
@@ -343,9 +263,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         )
     env = environment()
     print(", ".join(f"{k}={v}" for k, v in env.items()))
-    print(format_table(rows))
+    print(format_table([{c: r.get(c) for c in COLUMNS if any(c in x for x in rows)}
+                        for r in rows]))
     write_csv(rows, args.csv)
-    print(f"wrote {args.csv}")
     return rows
 
 
