@@ -321,7 +321,7 @@ def _torch_chunked_pass(
         # dlogits = (softmax - onehot) * scale, in place: the softmax division and the per-row
         # scale share one pass over the chunk.
         scale = grad_scale[start:end, None]  # (C, 1)
-        dlogits = exps.mul_(scale)
+        dlogits = exps.mul_(scale / row_sum)
         dlogits.scatter_add_(1, tgt, -scale)
         torch.mm(dlogits, w, out=dhidden[start:end])
         dweight.addmm_(dlogits.T, h)
