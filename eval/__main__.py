@@ -1,0 +1,7 @@
+"""``python -m mtp.eval ...`` is ``mtp eval ...``."""
+
+import sys
+
+from mtp.eval.cli import main
+
+sys.exit(main())

