@@ -28,11 +28,11 @@ class ModelConfig:
 
     vocab_size: int = 4096
     """Vocabulary size V (rows of the embedding and of the shared unembedding)."""
-    d_model: int = 256
+    d_model: int = 192
     """Residual stream width d."""
     n_layers: int = 4
     """Trunk blocks (with `matched_params`, the trunk of the K = 1 model)."""
-    n_heads: int = 4
+    n_heads: int = 3
     """Attention heads per block."""
     n_kv_heads: int | None = None
     """Key/value heads for grouped-query attention (None: same as `n_heads`)."""
@@ -189,7 +189,7 @@ class OptimConfig:
     """Peak learning rate."""
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of the peak."""
-    warmup_steps: int = 100
+    warmup_steps: int = 50
     """Linear warmup length in optimizer steps."""
     decay_steps: int | None = None
     """Cosine length in optimizer steps (None: the trainer's max_steps)."""
