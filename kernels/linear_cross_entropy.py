@@ -368,7 +368,9 @@ class _LinearCrossEntropyTorch(torch.autograd.Function):
         ctx.reduction, ctx.ignore_index, ctx.chunk = reduction, ignore_index, chunk
         ctx.dtypes = (hidden.dtype, weight.dtype)
         if stash:
-            ctx.save_for_backward(dhidden, dweight)
+            # attributes, not saved tensors: backward scales them in place and hands them over,
+            # rather than holding a scaled copy next to each (2 x [V, d] fp32 at the peak)
+            ctx.stashed = (dhidden, dweight)
         else:
             ctx.save_for_backward(hidden, weight, targets)
         ctx.mark_non_differentiable(targets)
@@ -377,9 +379,15 @@ class _LinearCrossEntropyTorch(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         if ctx.reduction != "none":
-            dhidden, dweight = ctx.saved_tensors
-            g = grad_out.to(dhidden.dtype)
-            dhidden, dweight = dhidden * g, dweight * g
+            if not hasattr(ctx, "stashed"):
+                raise RuntimeError("linear_cross_entropy supports one backward per forward "
+                                   "(its gradients were computed in the forward)")
+            dhidden, dweight = ctx.stashed
+            del ctx.stashed
+            if not (grad_out == 1).all():
+                g = grad_out.to(dhidden.dtype)
+                dhidden.mul_(g)
+                dweight.mul_(g)
         else:
             hidden, weight, targets = ctx.saved_tensors
             valid = targets != ctx.ignore_index
