@@ -269,6 +269,7 @@ def bench_train(args: argparse.Namespace) -> list[dict]:
     rows = []
     for K in args.ks:
         cfg = ModelConfig(**{**base.__dict__, "n_future": K, "matched_params": True,
+                             "n_layers": args.n_layers or base.n_layers,
                              "max_seq_len": max(base.max_seq_len, args.seq_len)})
         torch.manual_seed(0)
         model = MTPTransformer(cfg).to(device)
@@ -339,7 +340,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="skip naive configurations estimated to need more memory")
     train_p = p = sub.add_parser("train", help="training-step time over K at matched parameters")
     p.add_argument("--model", default="cpu", help="registry name (mtp.config.MODEL_REGISTRY)")
-    p.add_argument("--ks", type=_ints, default=[1, 2, 4, 8])
+    p.add_argument("--n-layers", type=int, default=None,
+                   help="blocks of the K = 1 trunk (default: the registry's); K - 1 move to heads")
+    p.add_argument("--ks", type=_ints, default=[1, 2, 4])
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--loss", choices=["sequential", "naive"], default="sequential")

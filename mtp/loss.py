@@ -70,10 +70,8 @@ def naive_heads_loss(
                           for i in range(K)])  # (K, B, T, V)
     # at least fp32 (bf16 logits would round the loss), but keep fp64 when testing in fp64
     dtype = torch.promote_types(logits.dtype, torch.float32)
-    ce = F.cross_entropy(
-        logits.flatten(1, 2).transpose(1, 2).to(dtype),  # (K, V, B*T)
-        targets.flatten(1), ignore_index=IGNORE_INDEX, reduction="none",
-    )  # (K, B*T)
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(dtype), targets.reshape(-1),
+                         ignore_index=IGNORE_INDEX, reduction="none").view(K, -1)  # (K, B*T)
     valid = targets.flatten(1) != IGNORE_INDEX
     head_losses = (ce * valid).sum(1) / valid.sum(1).clamp(min=1)  # (K,)
     loss = (_head_weights(head_weights, K, logits.device) * head_losses).sum()

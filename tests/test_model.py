@@ -151,7 +151,7 @@ def test_tied_embeddings_share_one_tensor():
 @pytest.mark.parametrize("kwargs, flag", [
     ({"n_future": 0}, "--model.n_future must be >= 1 (got 0)"),
     ({"d_model": 100, "n_heads": 3}, "--model.d_model (100) must be divisible by --model.n_heads"),
-    ({"n_kv_heads": 3}, "--model.n_kv_heads (3)"),
+    ({"n_heads": 4, "d_model": 256, "n_kv_heads": 3}, "--model.n_kv_heads (3)"),
     ({"matched_params": True, "n_layers": 2, "n_future": 4}, "--model.matched_params"),
 ])
 def test_bad_model_configs_name_the_flag(kwargs, flag):
