@@ -1,0 +1,457 @@
+"""Decoding: speculative greedy equals greedy, speculative sampling is exact, batches, stops.
+
+Random models rarely agree with their own heads, so the equality tests also use a model trained
+for a few seconds on a cyclic token stream: its heads are right most of the time, drafts are
+accepted (L > 1) and sometimes rejected, and an off-by-one in acceptance or in the cache would
+change the output.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mtp import decoding
+from mtp.config import ModelConfig
+from mtp.decoding import Tree, generate, head_accuracy, probs_from_logits
+from mtp.model import KVCache, MTPTransformer
+
+torch.set_num_threads(1)
+
+
+def _random_model(seed: int = 0, **overrides) -> MTPTransformer:
+    torch.manual_seed(seed)
+    cfg = ModelConfig.from_name("debug", **{"n_future": 4, "max_seq_len": 128, **overrides})
+    return MTPTransformer(cfg).eval()
+
+
+def _prompts(n: int, vocab: int, seed: int, lo: int = 1, hi: int = 24) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(lo, hi, (n,), generator=g).tolist()
+    return [torch.randint(0, vocab, (t,), generator=g).tolist() for t in lengths]
+
+
+@pytest.fixture(scope="module")
+def trained() -> tuple[MTPTransformer, MTPTransformer]:
+    """K = 4 models trained on a cycle of 11 tokens (plus noise): after 150 steps (heads nearly
+    always right) and a snapshot after 10 steps (heads right now and then)."""
+    model = _random_model(1)
+    cycle = torch.randperm(model.cfg.vocab_size, generator=torch.Generator().manual_seed(1))[:11]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(2)
+    k, t = model.cfg.n_future, 32
+    model.train()
+    for step in range(150):
+        start = torch.randint(0, 11, (16, 1), generator=g)
+        seq = cycle[(start + torch.arange(t + k)) % 11]  # (16, t + K)
+        noise = torch.rand(seq.shape, generator=g) < 0.1  # keep the heads imperfect
+        seq = torch.where(noise, torch.randint(0, 256, seq.shape, generator=g), seq)
+        logits = model(seq[:, :t])  # (K, B, T, V)
+        loss = sum(
+            F.cross_entropy(logits[i].flatten(0, 1), seq[:, i + 1 : i + 1 + t].flatten())
+            for i in range(k)
+        )
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step == 9:
+            early = copy.deepcopy(model).eval().requires_grad_(False)
+    model.eval().requires_grad_(False)
+    model.cycle = early.cycle = cycle.tolist()
+    return model, early
+
+
+@pytest.fixture(scope="module")
+def cyclic_model(trained) -> MTPTransformer:
+    return trained[0]
+
+
+@pytest.fixture(scope="module")
+def early_model(trained) -> MTPTransformer:
+    return trained[1]
+
+
+def _cyclic_prompts(model: MTPTransformer, n: int, seed: int) -> list[list[int]]:
+    """Random prompts, half of them ending in a stretch of the cycle."""
+    prompts = _prompts(n, model.cfg.vocab_size, seed, hi=12)
+    cycle = model.cycle
+    return [p + (cycle[i % 11 :] + cycle)[: 3 + i % 5] if i % 2 else p
+            for i, p in enumerate(prompts)]
+
+
+# --------------------------------------------------------------------------------------------
+# Greedy exactness
+
+
+@pytest.mark.parametrize("decoder", ["self-spec", "tree"])
+def test_speculative_greedy_equals_greedy_random_model(decoder: str) -> None:
+    model = _random_model()
+    prompts = _prompts(50, model.cfg.vocab_size, seed=3)
+    ref, _ = generate(model, prompts, 64)
+    out, stats = generate(model, prompts, 64, decoder=decoder)
+    assert out == ref
+    assert all(len(o) == 64 for o in out)
+    assert stats.tokens == 50 * 64
+
+
+@pytest.mark.parametrize(
+    ("decoder", "kwargs"),
+    [
+        ("self-spec", {}),
+        ("self-spec", {"n_heads": 2}),
+        ("tree", {}),
+        ("tree", {"n_heads": 3, "tree": Tree.from_widths([4, 3])}),
+        ("tree", {"tree": Tree.from_paths([(0,), (1,), (0, 0), (1, 0), (0, 0, 0), (1, 0, 0)])}),
+    ],
+)
+@pytest.mark.parametrize("which", ["cyclic_model", "early_model"])
+def test_speculative_greedy_equals_greedy_with_acceptance(request, which, decoder, kwargs) -> None:
+    model = request.getfixturevalue(which)
+    prompts = _cyclic_prompts(model, 24, seed=4)
+    ref, base = generate(model, prompts, 48)
+    out, stats = generate(model, prompts, 48, decoder=decoder, **kwargs)
+    assert out == ref
+    assert base.tokens_per_forward == 1.0
+    # The comparison is only meaningful if drafts were accepted and rejected: some forwards
+    # (besides the prefills) produced one token, some took every draft.
+    assert stats.tokens_per_forward > 1.1
+    assert stats.accepted[1] > len(prompts) and stats.accepted[-1] > 0 and len(stats.accepted) > 2
+
+
+def test_draft_model_greedy_equals_greedy(cyclic_model) -> None:
+    # The target drafting for itself accepts everything; a random draft model almost nothing.
+    prompts = _cyclic_prompts(cyclic_model, 12, seed=5)
+    ref, _ = generate(cyclic_model, prompts, 40)
+    out, stats = generate(cyclic_model, prompts, 40, decoder="draft", draft_model=cyclic_model,
+                          gamma=3)
+    assert out == ref
+    # Each row: the prefill (1 token), 9 rounds of 3 drafts + 1, a last round cut to 3 tokens.
+    assert stats.accepted == [0, 12, 0, 12, 9 * 12]
+    draft = _random_model(7, n_future=1)
+    out, stats = generate(cyclic_model, prompts, 40, decoder="draft", draft_model=draft, gamma=2)
+    assert out == ref
+    assert stats.draft_forwards > 0
+
+
+def _reference_accepted(drafter, prompt, ref, n_draft):
+    """Tokens per forward of greedy speculation, recomputed with full forwards (no cache).
+
+    At a step with `pos` tokens out (the pending one is ref[pos - 1]), draft i (1-based) guesses
+    ref[pos - 1 + i]: `drafter(seq, i)` gives its candidates from the committed tokens seq.
+    Drafts are accepted while they hold the right token; the step adds one token of its own.
+    """
+    hist, pos = [0, 1], 1  # the prefill gives one token
+    while pos < len(ref):
+        n = min(n_draft, len(ref) - pos - 1)
+        a = 0
+        while a < n and ref[pos + a] in drafter(prompt + ref[: pos - 1], prompt + ref[:pos], a + 1):
+            a += 1
+        hist.extend([0] * (a + 2 - len(hist)))
+        hist[a + 1] += 1
+        pos += a + 1
+    return hist
+
+
+def test_acceptance_lengths_match_a_reference(cyclic_model, early_model) -> None:
+    """L itself is right: each forward accepts what full forwards say it should."""
+
+    def heads(model, widths):
+        def drafter(before, _, i):  # head i + 1 at the pending token's predecessor
+            logits = model(torch.tensor([before]))[i, 0, -1]
+            return logits.topk(widths[i - 1]).indices.tolist()
+        return drafter
+
+    def chain(model):
+        def drafter(_, seq, i):  # the draft model continues its own guesses
+            guess = list(seq)
+            for _ in range(i):
+                guess.append(int(model(torch.tensor([guess]), n_heads=1)[0, 0, -1].argmax()))
+            return [guess[-1]]
+        return drafter
+
+    cases = [
+        (early_model, "self-spec", {}, heads(early_model, [1, 1, 1]), 3),
+        (early_model, "self-spec", {"n_heads": 3}, heads(early_model, [1, 1]), 2),
+        (early_model, "tree", {"tree": Tree.from_widths([3, 2, 2])},
+         heads(early_model, [3, 2, 2]), 3),
+        (cyclic_model, "draft", {"draft_model": early_model, "gamma": 3}, chain(early_model), 3),
+    ]
+    for prompt in _cyclic_prompts(cyclic_model, 4, seed=10):
+        for model, decoder, kwargs, drafter, n in cases:
+            ref = generate(model, [prompt], 24)[0][0]
+            out, stats = generate(model, [prompt], 24, decoder=decoder, **kwargs)
+            assert out[0] == ref
+            expected = _reference_accepted(drafter, prompt, ref, n)
+            assert stats.accepted == expected, (decoder, prompt)
+            assert expected[1] > 1 and len(expected) > 2  # drafts rejected and accepted
+
+
+@pytest.mark.parametrize(
+    ("decoder", "kwargs"),
+    [("self-spec", {}), ("tree", {"tree": Tree.from_widths([3, 2, 2])}), ("draft", {})],
+)
+def test_cache_holds_exactly_the_committed_tokens(early_model, monkeypatch, decoder, kwargs):
+    """After decoding, every layer's cache (trunk, head 1, draft heads; the draft model's too)
+    holds the keys and values a fresh forward over the committed tokens computes: rejected
+    drafts and tree branches left nothing behind, and the accepted path sits in order."""
+    caches = []
+    new_cache = decoding._new_cache
+
+    def spy(model, batch, max_len):
+        caches.append((model, new_cache(model, batch, max_len)))
+        return caches[-1][1]
+
+    monkeypatch.setattr(decoding, "_new_cache", spy)
+    if decoder == "draft":
+        kwargs = {"draft_model": _random_model(5, n_future=1), "gamma": 3}
+    prompt = _cyclic_prompts(early_model, 2, seed=15)[1]
+    out, stats = generate(early_model, [prompt], 30, decoder=decoder, **kwargs)
+    assert stats.tokens_per_forward > 1.1 or decoder == "draft"
+    seq = prompt + out[0]
+    for model, cache in caches:
+        n = int(cache.lengths[0])
+        if model is early_model:
+            assert n == len(seq) - 1  # all but the pending token
+        else:  # all but the last two; one fewer if the last round drafted nothing
+            assert len(seq) - 3 <= n <= len(seq) - 2
+        ref = KVCache(model.cfg, 1, n)
+        x = torch.tensor([seq[:n]])
+        with torch.no_grad():
+            model(x, cache=ref, slots=torch.arange(n)[None], mask=decoding._mask(
+                torch.zeros(1, dtype=torch.long), decoding._causal(n, torch.device("cpu"))))
+        # The draft decoder runs the target's trunk and head 1 only.
+        layers = model.cfg.n_trunk_layers + (1 if decoder == "draft" else model.cfg.n_future)
+        for got, want in ((cache.k, ref.k), (cache.v, ref.v)):
+            torch.testing.assert_close(got[:layers, :, :, :n], want[:layers], atol=2e-4,
+                                       rtol=1e-4)
+
+
+def test_batched_greedy_equals_each_row_alone(cyclic_model) -> None:
+    prompts = _cyclic_prompts(cyclic_model, 8, seed=6)
+    for decoder in ("greedy", "self-spec", "tree"):
+        batched, _ = generate(cyclic_model, prompts, 32, decoder=decoder)
+        alone = [generate(cyclic_model, [p], 32, decoder=decoder)[0][0] for p in prompts]
+        assert batched == alone, decoder
+
+
+def test_greedy_matches_uncached_forward() -> None:
+    """The cached greedy baseline against argmax over a full forward each step."""
+    model = _random_model(2)
+    prompt = _prompts(1, model.cfg.vocab_size, seed=8)[0]
+    out, _ = generate(model, [prompt], 12)
+    seq = list(prompt)
+    for _ in range(12):
+        seq.append(int(model(torch.tensor([seq]), n_heads=1)[0, 0, -1].argmax()))
+    assert out[0] == seq[len(prompt):]
+
+
+def test_heads_used_and_tree_from_accuracies(cyclic_model) -> None:
+    prompts = _cyclic_prompts(cyclic_model, 8, seed=9)
+    ref, _ = generate(cyclic_model, prompts, 32)
+    ls = [generate(cyclic_model, prompts, 32, decoder="self-spec", n_heads=h)[1].tokens_per_forward
+          for h in (1, 2, 4)]
+    assert ls[0] == 1.0 and ls[0] < ls[1] < ls[2]
+    acc = head_accuracy(cyclic_model, [p + o for p, o in zip(prompts, ref, strict=True)],
+                        start=[len(p) for p in prompts], max_rank=4)
+    assert acc.shape == (3, 4) and acc[:, 0].min() > 0.5 and (acc.sum(1) <= 1 + 1e-6).all()
+    tree = Tree.from_accuracies(acc, n_nodes=6)
+    assert len(tree.paths) == 7 and tree.paths[1] == (0,)
+    out, stats = generate(cyclic_model, prompts, 32, decoder="tree", tree=tree)
+    assert out == ref and stats.tokens_per_forward > 1.5
+
+
+def test_tree_shapes() -> None:
+    tree = Tree.from_widths([3, 2])
+    assert len(tree.paths) == 1 + 3 + 6 and tree.widths() == [3, 2] and tree.depth == 2
+    assert tree.pruned(1).paths == ((), (0,), (1,), (2,))
+    with pytest.raises(ValueError, match="no parent"):
+        Tree(((), (0, 1)))
+    tt = decoding._TreeTensors.build(Tree.from_paths([(0,), (1,), (0, 0)]), torch.device("cpu"))
+    assert tt.ancestors.tolist() == [
+        [True, False, False, False],
+        [True, True, False, False],
+        [True, False, True, False],
+        [True, True, False, True],
+    ]
+    assert tt.path[3].tolist() == [0, 1, 3] and tt.path[2].tolist() == [0, 2, 2]
+
+
+# --------------------------------------------------------------------------------------------
+# Sampling exactness
+
+
+def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson goodness of fit; cells expecting fewer than 5 counts are pooled."""
+    n = counts.sum()
+    expected = probs.double() * n
+    small = expected < 5
+    obs = torch.cat([counts[~small].double(), counts[small].double().sum()[None]])
+    exp = torch.cat([expected[~small], expected[small].sum()[None]])
+    keep = exp > 0
+    stat = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
+    dof = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0), stat / 2))
+
+
+V_TINY, N_NEW, N_SAMPLES = 4, 4, 12000
+SAMPLING = {"temperature": 0.9, "top_k": 3, "top_p": 0.8}
+
+
+@pytest.fixture(scope="module")
+def tiny() -> tuple[MTPTransformer, list[int], torch.Tensor]:
+    """A 4-token-vocabulary K = 4 model, a prompt, and the exact distribution of the next 4
+    sampled tokens (4^4 cells), from full forwards without a cache."""
+    model = _random_model(11, vocab_size=V_TINY, init_std=0.5).requires_grad_(False)
+    prompt = [1, 3]
+    seqs = torch.tensor([prompt + list(s) for s in itertools.product(range(V_TINY), repeat=N_NEW)])
+    logits = model(seqs, n_heads=1)[0]  # (V^n, P + n, V)
+    p = probs_from_logits(logits[:, len(prompt) - 1 : -1], **SAMPLING)  # (V^n, n, V)
+    joint = p.gather(-1, seqs[:, len(prompt) :, None])[..., 0].double().prod(-1)
+    return model, prompt, joint
+
+
+def _cell(tokens: list[list[int]]) -> torch.Tensor:
+    t = torch.tensor(tokens)
+    return (t * V_TINY ** torch.arange(N_NEW - 1, -1, -1)).sum(1)
+
+
+@pytest.mark.parametrize("decoder", ["sample", "self-spec", "tree", "draft"])
+def test_speculative_sampling_is_exact(tiny, decoder: str) -> None:
+    model, prompt, joint = tiny
+    kwargs = {}
+    if decoder == "draft":
+        kwargs = {"draft_model": _random_model(12, vocab_size=V_TINY, n_future=1, init_std=0.5),
+                  "gamma": 3}
+    if decoder == "tree":
+        kwargs = {"tree": Tree.from_widths([2, 1, 1])}
+    out, stats = generate(model, [prompt] * N_SAMPLES, N_NEW, decoder=decoder,
+                          generator=torch.Generator().manual_seed(13), **SAMPLING, **kwargs)
+    counts = torch.bincount(_cell(out), minlength=V_TINY**N_NEW)
+    assert _chi2_pvalue(counts, joint) > 1e-3
+    if decoder != "sample":
+        # Drafts were rejected in some forwards (besides the prefill) and all taken in others.
+        assert stats.accepted[1] > N_SAMPLES and stats.accepted[-1] > 0
+        assert stats.tokens_per_forward > 1.1
+
+
+def test_chi_square_catches_a_missing_residual(tiny, monkeypatch) -> None:
+    """Negative control: resampling from p instead of norm(max(0, p - q)) after a rejection
+    biases the output, and the test above would see it."""
+    model, prompt, joint = tiny
+    exact = decoding._accept_linear
+
+    def biased(logits, drafts, q, sampling, generator):
+        a, _ = exact(logits, drafts, q, sampling, generator)
+        p = sampling.probs(logits)[torch.arange(len(a)), a]
+        return a, decoding._multinomial(p, generator)
+
+    monkeypatch.setattr(decoding, "_accept_linear", biased)
+    out, _ = generate(model, [prompt] * N_SAMPLES, N_NEW, decoder="self-spec",
+                      generator=torch.Generator().manual_seed(13), **SAMPLING)
+    counts = torch.bincount(_cell(out), minlength=V_TINY**N_NEW)
+    assert _chi2_pvalue(counts, joint) < 1e-6
+
+
+def test_probs_from_logits_filters() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    p = probs_from_logits(logits, 1.0, top_k=2)
+    assert p[0, 2:].sum() == 0 and torch.allclose(p.sum(), torch.tensor(1.0))
+    p = probs_from_logits(logits, 1.0, top_p=0.5)  # the top token alone holds 0.64
+    assert p[0].tolist() == [1.0, 0.0, 0.0, 0.0]
+    full = logits.softmax(-1)[0]
+    p = probs_from_logits(logits, 1.0, top_p=0.9)
+    assert torch.allclose(p[0, :3], full[:3] / full[:3].sum()) and p[0, 3] == 0
+
+
+# --------------------------------------------------------------------------------------------
+# Stop conditions
+
+
+def test_stop_conditions(cyclic_model) -> None:
+    prompt = cyclic_model.cycle[:5]
+    ref, _ = generate(cyclic_model, [prompt], 30)
+    eot = ref[0][6]
+    for decoder in ("greedy", "self-spec", "tree"):
+        out, stats = generate(cyclic_model, [prompt], 30, decoder=decoder, eot_id=eot)
+        assert out[0] == ref[0][: ref[0].index(eot) + 1], decoder
+        assert stats.tokens == len(out[0])
+
+    def decode(ids: list[int]) -> str:
+        return "".join(f"<{i}>" for i in ids)
+
+    stop = f"<{ref[0][3]}><{ref[0][4]}>"
+    for decoder in ("greedy", "self-spec", "tree"):
+        out, _ = generate(cyclic_model, [prompt, prompt[:2]], 30, decoder=decoder, stop=[stop],
+                          decode=decode)
+        assert out[0] == ref[0][:5], decoder
+        # Stop strings are searched in the new text only, and rows stop on their own.
+        assert len(out[1]) == 30 or stop in decode(out[1]), decoder
+        out, _ = generate(cyclic_model, [prompt], 7, decoder=decoder)
+        assert out[0] == ref[0][:7]
+
+
+def test_context_window_ends_generation() -> None:
+    model = _random_model(3, max_seq_len=40)
+    prompts = [[1] * 30, [2] * 10]
+    ref, _ = generate(model, prompts, 100)
+    assert [len(r) for r in ref] == [10, 30]  # prompt + new tokens fill the window
+    for decoder in ("self-spec", "tree"):
+        assert generate(model, prompts, 100, decoder=decoder)[0] == ref
+
+
+# --------------------------------------------------------------------------------------------
+# Errors
+
+
+def test_bad_input_gives_clear_errors() -> None:
+    model = _random_model()
+    single = _random_model(n_future=1)
+    with pytest.raises(ValueError, match="single head"):
+        generate(single, [[1, 2]], 4, decoder="self-spec")
+    with pytest.raises(ValueError, match="single head"):
+        generate(single, [[1, 2]], 4, decoder="tree")
+    with pytest.raises(ValueError, match="context window"):
+        generate(model, [[1] * 128], 4)
+    with pytest.raises(ValueError, match=r"n_heads must be in \[1, 4\]"):
+        generate(model, [[1, 2]], 4, decoder="self-spec", n_heads=5)
+    with pytest.raises(ValueError, match="unknown decoder 'beam'"):
+        generate(model, [[1, 2]], 4, decoder="beam")
+    with pytest.raises(ValueError, match="needs a draft model"):
+        generate(model, [[1, 2]], 4, decoder="draft")
+    with pytest.raises(ValueError, match="top_p"):
+        generate(model, [[1, 2]], 4, decoder="sample", top_p=1.5)
+    with pytest.raises(ValueError, match="decode"):
+        generate(model, [[1, 2]], 4, stop=["x"])
+
+
+# --------------------------------------------------------------------------------------------
+# The batched draft heads
+
+
+@pytest.mark.parametrize(
+    "overrides", [{}, {"n_kv_heads": 1, "n_heads": 4}, {"head_type": "linear"}]
+)
+def test_batched_draft_heads_match_the_model(overrides) -> None:
+    """Heads 2..h run as one batched block compute what `model.head_hidden` computes, and write
+    the same keys and values into their cache layers."""
+    model = _random_model(4, **overrides)
+    tokens = torch.tensor(_prompts(3, model.cfg.vocab_size, seed=14, lo=9, hi=10))  # (3, 9)
+    causal = decoding._causal(9, torch.device("cpu"))
+    mask = decoding._mask(torch.zeros(3, dtype=torch.long), causal)
+    slots = torch.arange(9).expand(3, -1)
+    ours, theirs = KVCache(model.cfg, 3, 16), KVCache(model.cfg, 3, 16)
+    with torch.no_grad():
+        h, rope = model.trunk(tokens, positions=slots, cache=ours, slots=slots, mask=mask)
+        batched = decoding._DraftHeads(model, 4)(h, rope, ours, slots, mask)  # (3, B, T, d)
+        for i in range(1, 4):
+            ref = model.head_hidden(i, h, rope, cache=theirs, slots=slots, mask=mask)
+            torch.testing.assert_close(batched[i - 1], ref, atol=1e-5, rtol=1e-5)
+    first = model.cfg.n_trunk_layers + 1
+    torch.testing.assert_close(ours.k[first:], theirs.k[first:], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours.v[first:], theirs.v[first:], atol=1e-5, rtol=1e-5)
+    if model.cfg.head_type == "block":
+        assert ours.k[first:].abs().sum() > 0
