@@ -290,6 +290,13 @@ _detected: dict[str, Isolation] = {}
 _warned = False
 
 
+def _sample_python() -> str:
+    """The base interpreter behind this one: samples need the standard library only, and a
+    virtual environment may live where the sandbox hides it (under /tmp, say, which becomes the
+    sample's private directory)."""
+    return str(Path(getattr(sys, "_base_executable", sys.executable)).resolve())
+
+
 def _python_dirs() -> list[str]:
     """Directories the interpreter needs, to bind back when they sit under a masked directory."""
     dirs = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
@@ -409,7 +416,7 @@ def _probe(method: str, as_root: bool) -> tuple[bool, str]:
     with tempfile.TemporaryDirectory(prefix="mtp-probe-") as d:
         prefix = _bwrap_command(d, as_root) if method == "bwrap" else _unshare_command()
         try:
-            proc = subprocess.run(prefix + [sys.executable, "-I", "-c", "pass"],
+            proc = subprocess.run(prefix + [_sample_python(), "-I", "-c", "pass"],
                                   stdin=subprocess.DEVNULL, capture_output=True, timeout=60)
         except (OSError, subprocess.TimeoutExpired) as e:
             return False, str(e)
@@ -543,7 +550,7 @@ def run_program(
             prefix = _unshare_command()
         else:
             prefix = []
-        cmd = prefix + [sys.executable, "-I", "-B", "-c", _WRAPPER, inner_dir, tag]
+        cmd = prefix + [_sample_python(), "-I", "-B", "-c", _WRAPPER, inner_dir, tag]
         out_path = os.path.join(base, "output")
         with open(out_path, "wb") as out:
             try:
