@@ -44,10 +44,10 @@ def add_run_arguments(parser: LightningArgumentParser) -> None:
     """The `trainer`, `model`, `data`, `optim` and `loss` groups of `mtp fit`."""
     parser.add_lightning_class_args(Trainer, "trainer")
     parser.set_defaults({f"trainer.{k}": v for k, v in TRAINER_DEFAULTS.items()})
-    parser.add_dataclass_arguments(ModelConfig, "model")
-    parser.add_dataclass_arguments(DataConfig, "data")
-    parser.add_dataclass_arguments(OptimConfig, "optim")
-    parser.add_dataclass_arguments(LossConfig, "loss")
+    parser.add_class_arguments(ModelConfig, "model")
+    parser.add_class_arguments(DataConfig, "data")
+    parser.add_class_arguments(OptimConfig, "optim")
+    parser.add_class_arguments(LossConfig, "loss")
 
 
 def run_config(namespace) -> RunConfig:
