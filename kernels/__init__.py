@@ -3,6 +3,7 @@
 from mtp.kernels.linear_cross_entropy import (
     TritonConfig,
     linear_cross_entropy,
+    linear_cross_entropy_fwd_bwd,
     linear_cross_entropy_reference,
     linear_cross_entropy_triton,
 )
@@ -10,6 +11,7 @@ from mtp.kernels.linear_cross_entropy import (
 __all__ = [
     "TritonConfig",
     "linear_cross_entropy",
+    "linear_cross_entropy_fwd_bwd",
     "linear_cross_entropy_reference",
     "linear_cross_entropy_triton",
 ]

@@ -266,6 +266,72 @@ def linear_cross_entropy(
         )
 
 
+def linear_cross_entropy_fwd_bwd(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    dweight_acc: Tensor,
+    *,
+    scale: float | Tensor = 1.0,
+    ignore_index: int = -100,
+    impl: Impl = "auto",
+    chunk_size: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Mean cross-entropy of ``hidden @ weight.T`` and its gradients in one call, no autograd.
+
+    For a caller that sums several such losses over one shared ``weight`` (the sequential
+    multi-token pass): ``scale * dloss/dweight`` is added straight into ``dweight_acc``, so the
+    weight gradient exists once, however many losses share it.
+
+    Args:
+        hidden: ``[N, d]`` activations (under autocast, cast as in :func:`linear_cross_entropy`).
+        weight: ``[V, d]`` weight.
+        targets: ``[N]`` token ids or ``ignore_index``.
+        dweight_acc: ``[V, d]`` fp32 (fp64 for fp64 inputs) contiguous buffer to add into.
+        scale: Factor of the loss whose gradients are taken (e.g. a head weight).
+        ignore_index: Target value without loss or gradient.
+        impl: As in :func:`linear_cross_entropy`.
+        chunk_size: As in :func:`linear_cross_entropy`.
+
+    Returns:
+        ``(loss, dhidden)``: the mean loss (fp32, unscaled) and ``scale * dloss/dhidden`` in
+        ``hidden``'s dtype.
+    """
+    if torch.is_autocast_enabled(hidden.device.type):
+        dtype = torch.get_autocast_dtype(hidden.device.type)
+        eligible = (torch.float16, torch.bfloat16, torch.float32)
+        if hidden.dtype in eligible and weight.dtype in eligible:
+            hidden, weight = hidden.to(dtype), weight.to(dtype)
+    _validate(hidden, weight, targets, ignore_index, "mean")
+    acc_dtype = torch.promote_types(hidden.dtype, torch.float32)
+    if (dweight_acc.shape != weight.shape or dweight_acc.dtype != acc_dtype
+            or not dweight_acc.is_contiguous() or dweight_acc.device != weight.device):
+        raise ValueError(f"dweight_acc must be a contiguous {acc_dtype} tensor of shape "
+                         f"{tuple(weight.shape)} on {weight.device} (got {dweight_acc.dtype} "
+                         f"{tuple(dweight_acc.shape)} on {dweight_acc.device})")
+    impl = _resolve_impl(impl, hidden.device)
+    hidden, weight, targets = hidden.contiguous(), weight.contiguous(), targets.long()
+    valid = targets != ignore_index
+    with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
+        if impl == "triton" and hidden.shape[0] > 0:
+            n, vocab = hidden.shape[0], weight.shape[0]
+            chunk = chunk_size or _default_chunk(n, vocab, "triton", hidden.element_size())
+            cfg = _default_config(hidden.dtype, hidden.device)
+            lse, loss = _triton_forward(hidden, weight, targets, ignore_index, cfg)
+            out, row_factor = _reduce(loss, valid, "mean")
+            dhidden, _ = _triton_backward(hidden, weight, targets, lse,
+                                          (row_factor * scale).contiguous(), chunk, cfg,
+                                          True, True, dweight_out=dweight_acc)
+            return out, dhidden
+        chunk = chunk_size or _default_chunk(hidden.shape[0], weight.shape[0], "torch", 4)
+        count = valid.sum().clamp(min=1)
+        grad_scale = valid.to(acc_dtype) * scale / count
+        loss, dhidden, _ = _torch_chunked_pass(hidden, weight, targets, ignore_index, chunk,
+                                               grad_scale, dweight_out=dweight_acc)
+        out, _ = _reduce(loss, valid, "mean")
+        return out, dhidden.to(hidden.dtype)
+
+
 # --------------------------------------------------------------------------------------------
 # Torch (CPU) path
 # --------------------------------------------------------------------------------------------
@@ -278,6 +344,7 @@ def _torch_chunked_pass(
     ignore_index: int,
     chunk: int,
     grad_scale: Tensor | None,
+    dweight_out: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """Per-row losses and, if ``grad_scale`` is given, the gradients of ``sum_i scale_i loss_i``.
 
@@ -289,6 +356,8 @@ def _torch_chunked_pass(
         chunk: Tokens per chunk.
         grad_scale: ``[N]`` per-row factor of the gradient (0 on ignored rows), or ``None`` for a
             forward-only pass.
+        dweight_out: ``[V, d]`` buffer in the accumulation dtype that dweight is added into
+            (and returned), instead of a new one.
 
     Returns:
         ``(loss [N], dhidden [N, d], dweight [V, d])`` in the accumulation dtype (fp32, or fp64 for
@@ -303,7 +372,7 @@ def _torch_chunked_pass(
     dhidden = dweight = None
     if grad_scale is not None:
         dhidden = torch.empty(n, hidden.shape[1], dtype=acc_dtype, device=hidden.device)
-        dweight = torch.zeros_like(w)
+        dweight = torch.zeros_like(w) if dweight_out is None else dweight_out
     for start in range(0, n, chunk):
         end = min(start + chunk, n)
         h = hidden[start:end].to(acc_dtype)  # (C, d)
@@ -746,14 +815,18 @@ def _triton_backward(
     cfg: TritonConfig,
     need_dhidden: bool,
     need_dweight: bool,
+    dweight_out: Tensor | None = None,
 ) -> tuple[Tensor | None, Tensor | None]:
-    """Gradients of ``sum_i scale_i loss_i``; dhidden in hidden's dtype, dweight in weight's."""
+    """Gradients of ``sum_i scale_i loss_i``; dhidden in hidden's dtype, dweight in weight's
+    (or added into ``dweight_out``, an accumulation-dtype buffer, which is returned as it is)."""
     n, d = hidden.shape
     vocab = weight.shape[0]
     acc_dtype = torch.promote_types(hidden.dtype, torch.float32)
     tl_acc, precision = _triton_dtypes(hidden.dtype)
     dhidden = torch.empty_like(hidden) if need_dhidden else None
-    dweight = torch.zeros(vocab, d, dtype=acc_dtype, device=weight.device) if need_dweight else None
+    dweight = dweight_out
+    if dweight is None and need_dweight:
+        dweight = torch.zeros(vocab, d, dtype=acc_dtype, device=weight.device)
     # NOTE: dlogits are stored in the input dtype (bf16 for bf16 runs) so that the two gradient
     # matmuls run on tensor cores; they are the same bf16 dlogits that torch's own autograd feeds to
     # its matmul backward. Every sum (over V for dhidden, over tokens and chunks for dweight) is
@@ -801,7 +874,7 @@ def _triton_backward(
             _linear_cross_entropy_dweight_kernel[grid](
                 g, h, dweight, c, vocab, d, g.stride(0), h.stride(0), dweight.stride(0), **launch
             )
-    if dweight is not None:
+    if dweight is not None and dweight_out is None:
         dweight = dweight.to(weight.dtype)
     return dhidden, dweight
 

@@ -141,19 +141,20 @@ def _peak_rss() -> int:
 
 def _ce_functions(device: torch.device) -> dict[str, Callable | None]:
     """Cross-entropy used by each sequential method (None: the naive pass)."""
-    from mtp.kernels import linear_cross_entropy, linear_cross_entropy_reference
+    from mtp.kernels import linear_cross_entropy_fwd_bwd, linear_cross_entropy_reference
+    from mtp.loss import fwd_bwd_from_loss
 
     methods: dict[str, Callable | None] = {
         "naive": None,
-        "sequential": linear_cross_entropy_reference,
-        "sequential+fused": linear_cross_entropy,
+        "sequential": fwd_bwd_from_loss(linear_cross_entropy_reference),
+        "sequential+fused": linear_cross_entropy_fwd_bwd,
     }
     if device.type == "cuda":
         from mtp.bench_kernels import available_impls
 
         for name, fn in available_impls().items():
             if name not in ("mtp", "torch"):
-                methods[f"sequential+{name}"] = (
+                methods[f"sequential+{name}"] = fwd_bwd_from_loss(
                     lambda h, w, t, ignore_index=-100, _fn=fn: _fn(h, w, t))
     return methods
 
@@ -178,7 +179,7 @@ def _loss_step(spec: dict, N: int, V: int) -> Callable[[], None]:
             if ce is None:
                 out = naive_heads_loss(model, h, rope, targets)
             else:
-                out = sequential_heads_loss(model, h, rope, targets, ce=ce)
+                out = sequential_heads_loss(model, h, rope, targets, fwd_bwd=ce)
         out.loss.backward()
         model.zero_grad(set_to_none=False)  # gradient buffers stay: they belong to the step
         h.grad = None

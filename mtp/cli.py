@@ -77,6 +77,11 @@ class MTPCLI(LightningCLI):
     def add_core_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         add_run_arguments(parser)
 
+    def _parse_ckpt_path(self) -> None:
+        """The YAML and flags define a run; LightningCLI would read the checkpoint's
+        hyperparameters back as `--model.*` arguments, which are not ours (the checkpoint's
+        config is checked against the run's by `MTPModule.on_load_checkpoint` instead)."""
+
     def instantiate_classes(self) -> None:
         self.config_init = self.parser.instantiate_classes(self.config)
         c = self.config_init[self.subcommand] if self.subcommand else self.config_init

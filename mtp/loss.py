@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from mtp.kernels import linear_cross_entropy
+from mtp.kernels import linear_cross_entropy, linear_cross_entropy_fwd_bwd
 from mtp.model import MTPTransformer
 
 IGNORE_INDEX = -100
@@ -84,10 +84,11 @@ def naive_heads_loss(
 class _SequentialHeads(torch.autograd.Function):
     """All K heads' losses, one head at a time, with every gradient computed in the forward.
 
-    For each head: head forward on the trunk output, fused linear-cross-entropy forward and
-    backward (no [N, V] logits), gradients added into one buffer per parameter (one for the shared
-    unembedding W), then the head's activations are freed. The outer backward only scales the
-    stored gradients by the incoming one and hands dL/dh to the trunk.
+    For each head: head forward on the trunk output; fused linear-cross-entropy forward and
+    backward (no [N, V] logits), which adds the head's dL/dW straight into one fp32 buffer for the
+    shared unembedding W and returns dL/dz; the head's backward from dL/dz into dL/dh and its own
+    parameters; then the head's activations are freed. The outer backward only scales the stored
+    gradients by the incoming one and hands dL/dh to the trunk.
 
     Doing the head backward inside an autograd node (rather than calling `.backward()` in the
     training step) keeps the step a single forward and a single backward: gradient accumulation
@@ -95,23 +96,26 @@ class _SequentialHeads(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, model, rope, targets, weights, with_accuracy, ce, h, *params):
+    def forward(ctx, model, rope, targets, weights, with_accuracy, fwd_bwd, h, *params):
+        W = model.unembed.weight
         head_losses, head_accs = [], []
         with torch.enable_grad():
             h_leaf = h.detach().requires_grad_()
             grads = dict.fromkeys([h_leaf, *params])  # summed over heads, in place
+            grads[W] = torch.zeros_like(W, dtype=torch.promote_types(W.dtype, torch.float32))
             for i in range(model.cfg.n_future):
                 z = model.head_hidden(i, h_leaf, rope)  # (B, T, d)
-                loss = ce(z.flatten(0, 1), model.unembed.weight, targets[i].flatten(),
-                          ignore_index=IGNORE_INDEX)
-                head_losses.append(loss.detach())
+                t = targets[i].flatten()
+                loss, dz = fwd_bwd(z.detach().flatten(0, 1), W.detach(), t, grads[W],
+                                   scale=weights[i], ignore_index=IGNORE_INDEX)
+                head_losses.append(loss)
                 if with_accuracy:
-                    head_accs.append(_accuracy(z.detach().flatten(0, 1), model.unembed.weight,
-                                               targets[i].flatten()))
-                wrt = [h_leaf, *(p for p in params if _in_head(p, model, i))]
-                for p, g in zip(wrt, torch.autograd.grad(weights[i] * loss, wrt)):
+                    head_accs.append(_accuracy(z.detach().flatten(0, 1), W, t))
+                wrt = [h_leaf, *(p for p in params if p is not W and _in_head(p, model, i))]
+                for p, g in zip(wrt, torch.autograd.grad(z, wrt, grad_outputs=dz.view_as(z))):
                     grads[p] = g if grads[p] is None else grads[p].add_(g)
-                del z, loss  # frees this head's activations before the next head runs
+                del z, dz  # frees this head's activations before the next head runs
+        grads[W] = grads[W].to(W.dtype)
         # Plain attributes, not save_for_backward: backward hands each buffer over (scaled in
         # place) instead of allocating a scaled copy next to it, which would double the
         # gradients' memory right when the trunk backward starts.
@@ -134,6 +138,23 @@ class _SequentialHeads(torch.autograd.Function):
                 if g is not None:
                     g.mul_(grad_total.to(g.dtype))
         return (None, None, None, None, None, None, *grads)
+
+
+def fwd_bwd_from_loss(loss_fn: Callable[..., torch.Tensor]) -> Callable:
+    """Adapt a differentiable `loss_fn(hidden, weight, targets, ignore_index=...)` (an unfused
+    cross-entropy, or another library's fused one) to the interface of
+    `mtp.kernels.linear_cross_entropy_fwd_bwd`, through autograd; benchmarks compare with it."""
+
+    def fwd_bwd(hidden, weight, targets, dweight_acc, *, scale=1.0, ignore_index=IGNORE_INDEX):
+        with torch.enable_grad():
+            hidden = hidden.detach().requires_grad_()
+            weight = weight.detach().requires_grad_()
+            loss = loss_fn(hidden, weight, targets, ignore_index=ignore_index)
+            dh, dw = torch.autograd.grad(loss * scale, [hidden, weight])
+        dweight_acc.add_(dw)
+        return loss.detach().float(), dh
+
+    return fwd_bwd
 
 
 def _in_head(p: torch.Tensor, model: MTPTransformer, i: int) -> bool:
@@ -172,18 +193,19 @@ def sequential_heads_loss(
     head_weights: list[float] | None = None,
     *,
     with_accuracy: bool = False,
-    ce: Callable[..., torch.Tensor] = linear_cross_entropy,
+    fwd_bwd: Callable = linear_cross_entropy_fwd_bwd,
 ) -> MTPLossOutput:
     """The heads' part of `sequential_mtp_loss`, from the trunk output h (B, T, d).
 
-    `ce(hidden, weight, targets, ignore_index=...)` is the linear cross-entropy; benchmarks swap
-    in an unfused one to separate what the sequential order saves from what the kernel saves.
+    `fwd_bwd` is the loss-and-gradients function (`mtp.kernels.linear_cross_entropy_fwd_bwd`);
+    benchmarks swap in `fwd_bwd_from_loss(unfused_ce)` to separate what the sequential order
+    saves from what the fused kernel saves.
     """
     params = [*model.heads.parameters(), model.norm.weight, model.unembed.weight]
     params = list({id(p): p for p in params}.values())  # a tied or shared tensor once
     weights = _head_weights(head_weights, model.cfg.n_future, h.device)
     loss, head_losses, head_accs = _SequentialHeads.apply(model, rope, targets, weights,
-                                                          with_accuracy, ce, h, *params)
+                                                          with_accuracy, fwd_bwd, h, *params)
     return MTPLossOutput(loss, head_losses, head_accs if with_accuracy else None)
 
 

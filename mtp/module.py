@@ -96,6 +96,13 @@ class MTPModule(L.LightningModule):
         checkpoint["mtp"] = mtp_metadata(self.model_cfg, self.trainer.datamodule.tokenizer)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        saved_cfg = checkpoint.get("mtp", {}).get("model_config", {})
+        ours = dataclasses.asdict(self.model_cfg)
+        differ = [f"--model.{k} (checkpoint {saved_cfg[k]!r}, now {ours[k]!r})"
+                  for k in ours if k in saved_cfg and saved_cfg[k] != ours[k]]
+        if differ:
+            raise ValueError("the checkpoint was trained with another model config: "
+                             + ", ".join(differ))
         dm = self.trainer.datamodule if self._trainer is not None else None
         saved = checkpoint.get("mtp", {}).get("tokenizer")
         if dm is not None and dm.tokenizer is not None and saved is not None \

@@ -383,3 +383,34 @@ def test_gpu_never_allocates_n_by_v():
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base
     assert extra < n * vocab * 2, f"peak extra {extra} B reaches an N x V bf16 buffer"
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward + backward in one call, adding into a shared weight-gradient buffer
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_fwd_bwd_adds_scaled_weight_gradient_into_the_buffer(impl, dtype):
+    from mtp.kernels import linear_cross_entropy_fwd_bwd
+
+    n, d, vocab = next(iter(SHAPES))  # (37, 31, 123)
+    acc = torch.zeros(vocab, d, dtype=dtype)
+    expected_dw = torch.zeros(vocab, d, dtype=torch.float64)
+    weight = make_inputs(n, d, vocab, dtype, seed=0)[1].detach()
+    for seed, scale in ((0, 1.0), (1, 0.25)):  # two losses sharing one weight, as two heads do
+        hidden, _, targets = make_inputs(n, d, vocab, dtype, seed=seed)
+        loss, dh = linear_cross_entropy_fwd_bwd(hidden.detach(), weight, targets, acc,
+                                                scale=scale, impl=impl, chunk_size=16)
+        ref_h = hidden.detach().double().requires_grad_()
+        ref_w = weight.detach().double().requires_grad_()
+        ref = reference_f64(ref_h, ref_w, targets, "mean")
+        (scale * ref).backward()
+        expected_dw += ref_w.grad
+        tol = 1e-10 if dtype == torch.float64 else 1e-5
+        assert rel_err(loss, ref.detach()) <= tol
+        assert dh.dtype == dtype and rel_err(dh, ref_h.grad) <= tol
+    assert rel_err(acc, expected_dw) <= (1e-10 if dtype == torch.float64 else 1e-5)
+    with pytest.raises(ValueError, match="dweight_acc"):
+        linear_cross_entropy_fwd_bwd(hidden.detach(), weight, targets, acc[:-1], impl=impl)

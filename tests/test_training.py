@@ -173,6 +173,17 @@ def test_mtp_fit_end_to_end(tiny_corpus, tmp_path, monkeypatch, capsys):
         assert name in tags, f"{name} missing from TensorBoard: {sorted(tags)}"
     assert any("items_per_sec" in t for t in tags), "tokens per second not logged"
 
+    # resuming through the CLI continues from the checkpoint's step
+    last = str(run / "checkpoints" / "last.ckpt")
+    args = ["fit", "--config", str(REPO / "configs" / "debug.yaml"), "--data.source",
+            str(tiny_corpus), "--trainer.val_check_interval", "6",
+            "--trainer.enable_progress_bar", "false", "--ckpt_path", last]
+    assert main([*args, "--trainer.max_steps", "14"]) == 0
+    assert torch.load(tmp_path / "runs" / "mtp" / "version_1" / "checkpoints" / "last.ckpt",
+                      weights_only=True)["global_step"] == 14
+    with pytest.raises(ValueError, match="--model.d_model"):
+        main([*args, "--trainer.max_steps", "16", "--model.d_model", "64"])
+
 
 @pytest.mark.slow
 def test_training_learns_far_below_unigram_entropy(tiny_corpus, tmp_path):
