@@ -1,0 +1,255 @@
+"""Shared plumbing of the studies: presets, resumable CSV results, statistics, plots, reports.
+
+Every study appends one CSV row per finished run, keyed by the run's coordinates (for example
+K and seed), so a rerun of the same command skips what is done and continues where an
+interruption stopped it. Reports and plots are regenerated from the CSV alone, so every number
+in a report is a number some run wrote.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def single_thread() -> None:
+    """Pin torch (and the BLAS libraries it calls) to one CPU thread.
+
+    The studies are sized for a shared 2-core machine; one thread keeps timings of the
+    self-speculative decoder comparable between runs and leaves a core to everything else.
+    """
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("MKL_NUM_THREADS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def load_preset(study: str, name_or_path: str) -> dict:
+    """A study's preset: `experiments/presets/<study>_<name>.yaml` or an explicit YAML path."""
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = REPO / "experiments" / "presets" / f"{study}_{name_or_path}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem.removeprefix(f"{study}_")
+                       for p in (REPO / "experiments" / "presets").glob(f"{study}_*.yaml"))
+        raise SystemExit(f"unknown preset {name_or_path!r} for {study}; known: {known}")
+    with open(path) as f:
+        preset = yaml.safe_load(f)
+    preset["_path"] = str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
+    return preset
+
+
+def parse_int_list(text: str | Sequence[int]) -> list[int]:
+    """`"1,2,4"` -> [1, 2, 4]; lists pass through."""
+    if isinstance(text, str):
+        return [int(x) for x in text.split(",") if x.strip()]
+    return [int(x) for x in text]
+
+
+# -- resumable results ------------------------------------------------------------------------
+
+
+class ResultsCSV:
+    """An append-only CSV of finished runs, keyed by some of its columns.
+
+    Rows are appended (and flushed) as each run finishes, so killing a study loses at most the
+    run in progress; `done` tells a rerun which runs to skip.
+    """
+
+    def __init__(self, path: str | os.PathLike, columns: Sequence[str],
+                 key: Sequence[str]) -> None:
+        self.path, self.columns, self.key = Path(path), list(columns), list(key)
+
+    def rows(self) -> list[dict[str, str]]:
+        """Every finished run, as strings."""
+        if not self.path.is_file():
+            return []
+        with open(self.path, newline="") as f:
+            return list(csv.DictReader(f))
+
+    def _key(self, row: dict) -> tuple[str, ...]:
+        return tuple(str(row[k]) for k in self.key)
+
+    def done(self) -> set[tuple[str, ...]]:
+        """Keys of the finished runs (values as strings)."""
+        return {self._key(r) for r in self.rows()}
+
+    def is_done(self, **key: object) -> bool:
+        return self._key(key) in self.done()
+
+    def append(self, row: dict) -> None:
+        """Write one finished run (missing columns stay empty)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        new = not self.path.is_file()
+        with open(self.path, "a", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=self.columns, extrasaction="raise")
+            if new:
+                writer.writeheader()
+            writer.writerow({c: _fmt(row.get(c, "")) for c in self.columns})
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def _fmt(v: object) -> object:
+    if isinstance(v, float):
+        return "" if math.isnan(v) else f"{v:.6g}"
+    return v
+
+
+def to_float(v: object) -> float:
+    """A CSV cell as a float (empty -> nan)."""
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return float("nan")
+
+
+# -- statistics --------------------------------------------------------------------------------
+
+#: Two-sided 95% Student-t quantiles by degrees of freedom (scipy is not a dependency).
+_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
+        9: 2.262, 10: 2.228, 15: 2.131, 20: 2.086, 30: 2.042}
+
+
+def t95(df: int) -> float:
+    """The 0.975 quantile of Student's t with `df` degrees of freedom (conservative between)."""
+    if df < 1:
+        return float("nan")
+    if df > 30:
+        return 1.96
+    return _T95[max(k for k in _T95 if k <= df)]
+
+
+def summarize(values: Iterable[float]) -> dict[str, float]:
+    """Mean, sample standard deviation, count and 95% confidence half-width of the finite values."""
+    xs = [v for v in values if not math.isnan(v)]
+    n = len(xs)
+    if n == 0:
+        return {"mean": float("nan"), "std": float("nan"), "n": 0, "ci95": float("nan")}
+    mean = sum(xs) / n
+    std = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1)) if n > 1 else float("nan")
+    return {"mean": mean, "std": std, "n": n, "ci95": t95(n - 1) * std / math.sqrt(n)}
+
+
+def welch_t(a: Sequence[float], b: Sequence[float]) -> float:
+    """Welch's t statistic of mean(a) - mean(b) (nan with fewer than two values in either)."""
+    sa, sb = summarize(a), summarize(b)
+    if sa["n"] < 2 or sb["n"] < 2:
+        return float("nan")
+    se = math.sqrt(sa["std"] ** 2 / sa["n"] + sb["std"] ** 2 / sb["n"])
+    return (sa["mean"] - sb["mean"]) / se if se > 0 else float("nan")
+
+
+def pm(stats: dict[str, float], digits: int = 3) -> str:
+    """`mean ± std (n)` for a report table."""
+    if stats["n"] == 0:
+        return "–"
+    if stats["n"] == 1 or math.isnan(stats["std"]):
+        return f"{stats['mean']:.{digits}f} (n=1)"
+    return f"{stats['mean']:.{digits}f} ± {stats['std']:.{digits}f}"
+
+
+def group(rows: list[dict], by: Sequence[str]) -> dict[tuple, list[dict]]:
+    """Rows grouped by the values of some columns (insertion order kept)."""
+    out: dict[tuple, list[dict]] = {}
+    for r in rows:
+        out.setdefault(tuple(r[k] for k in by), []).append(r)
+    return out
+
+
+# -- plots and reports -------------------------------------------------------------------------
+
+
+def errorbar_plot(path: Path, series: dict[str, tuple[list[float], list[float], list[float]]], *,
+                  xlabel: str, ylabel: str, title: str, logx: bool = False,
+                  hline: float | None = None, hline_label: str | None = None) -> None:
+    """One PNG of mean ± std error bars, one line per series {label: (x, mean, std)}."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.8), dpi=110)
+    for label, (x, mean, std) in series.items():
+        ax.errorbar(x, mean, yerr=[0 if math.isnan(s) else s for s in std], marker="o",
+                    capsize=4, label=label)
+    if hline is not None:
+        ax.axhline(hline, color="grey", linestyle="--", linewidth=1, label=hline_label)
+    if logx:
+        ax.set_xscale("log", base=2)
+        xs = sorted({x for s in series.values() for x in s[0]})
+        ax.set_xticks(xs, [str(int(x)) if float(x).is_integer() else str(x) for x in xs])
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    if len(series) > 1 or hline_label:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    """A GitHub markdown table."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def environment() -> str:
+    """Machine, versions and git revision, for a report's provenance line."""
+    import torch
+
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True,
+                             capture_output=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, text=True,
+                               capture_output=True, check=True).stdout.strip()
+        rev += " (uncommitted changes)" if dirty else ""
+    except (OSError, subprocess.CalledProcessError):
+        rev = "unknown"
+    return (f"python {platform.python_version()}, torch {torch.__version__}, "
+            f"{platform.machine()} {platform.processor() or ''} "
+            f"(torch threads: {torch.get_num_threads()}), git {rev}, "
+            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+
+
+def command_line() -> str:
+    """The command that is running, as a user would retype it from the repository root."""
+    script = Path(sys.argv[0])
+    if script.is_absolute() and script.is_relative_to(REPO):
+        script = script.relative_to(REPO)
+    # `--report-only` rewrites a report from its CSV; the command that makes the numbers is the
+    # same one without it.
+    args = [a for a in sys.argv[1:] if a != "--report-only"]
+    return " ".join(["python", str(script), *args])
+
+
+def log_hparams(log_dir: Path, hparams: dict, metrics: dict) -> None:
+    """One TensorBoard hyperparameter summary (HPARAMS tab) for one finished run."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    clean_h = {k: (v if isinstance(v, (int, float, str, bool)) else str(v))
+               for k, v in hparams.items()}
+    clean_m = {k: float(v) for k, v in metrics.items()
+               if isinstance(v, (int, float)) and not math.isnan(float(v))}
+    log_dir.mkdir(parents=True, exist_ok=True)
+    with SummaryWriter(log_dir=str(log_dir)) as w:
+        w.add_hparams(clean_h, clean_m, run_name=".")

@@ -1,0 +1,238 @@
+"""experiments/: generated tasks, resumable results, reports, and the K sweep end to end (tiny)."""
+
+import csv
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "experiments"))
+
+import arithmetic  # noqa: E402
+import common  # noqa: E402
+import induction  # noqa: E402
+import k_sweep  # noqa: E402
+from synthetic import (  # noqa: E402
+    InductionTask,
+    PolynomialTask,
+    SyntheticDataModule,
+    _rng,
+    arithmetic_accuracy,
+    induction_accuracy,
+)
+
+from mtp.config import ModelConfig  # noqa: E402
+from mtp.model import MTPTransformer  # noqa: E402
+
+# -- induction data ---------------------------------------------------------------------------
+
+
+def test_induction_targets_are_copies_of_earlier_tokens():
+    task = InductionTask()
+    first_ids = range(1, 1 + task.n_first)
+    marked = 0
+    for i in range(50):
+        tokens, copy = task.sequence(_rng(3, 0, i), 64)
+        assert tokens.shape == copy.shape == (64,)
+        assert tokens.min() >= 1 and tokens.max() < task.vocab_size
+        for t in np.flatnonzero(copy):
+            a = tokens[t - 1]
+            assert a in first_ids
+            # an earlier occurrence of the same first token, followed by the same token
+            earlier = [s for s in range(t - 1) if tokens[s] == a]
+            assert earlier and all(tokens[s + 1] == tokens[t] for s in earlier)
+            marked += 1
+    assert marked > 50  # the task has plenty of copyable positions
+
+
+def test_generators_are_deterministic_and_seed_dependent():
+    task = InductionTask()
+    a, _ = task.sequence(_rng(1, 0, 7), 48)
+    b, _ = task.sequence(_rng(1, 0, 7), 48)
+    c, _ = task.sequence(_rng(2, 0, 7), 48)
+    assert np.array_equal(a, b) and not np.array_equal(a, c)
+    poly = PolynomialTask()
+    assert poly.example(_rng(1, 2, 3), 4) == poly.example(_rng(1, 2, 3), 4)
+
+
+# -- polynomial data --------------------------------------------------------------------------
+
+
+def _independent_eval(tokens: list[int], task: PolynomialTask) -> np.ndarray:
+    """Evaluate prefix tokens right to left with a stack and numpy convolution."""
+    stack = []
+    i = len(tokens)
+    # literals are m tokens < p; walk tokens from the end, grouping coefficients
+    buf = []
+    while i > 0:
+        i -= 1
+        t = tokens[i]
+        if t < task.p:
+            buf.insert(0, t)
+            if len(buf) == task.m:
+                stack.append(np.array(buf))
+                buf = []
+            continue
+        assert not buf
+        if t == task.NEG:
+            stack.append((-stack.pop()) % task.p)
+        else:
+            x, y = stack.pop(), stack.pop()
+            r = x + y if t == task.ADD else np.convolve(x, y)[: task.m]
+            stack.append(r % task.p)
+    assert len(stack) == 1
+    return stack[0]
+
+
+@pytest.mark.parametrize("p,m", [(7, 2), (5, 3), (11, 1)])
+def test_polynomial_answers_match_an_independent_evaluation(p, m):
+    task = PolynomialTask(p=p, m=m)
+    for n_ops in range(0, 7):
+        for i in range(40):
+            ex, start = task.example(_rng(n_ops, 0, i), n_ops)
+            assert ex[start - 1] == task.EQ and ex[-1] == task.SEP
+            prompt, answer = ex[: start - 1], ex[start : start + m]
+            assert sum(t in (task.ADD, task.MUL, task.NEG) for t in prompt) == n_ops
+            assert list(_independent_eval(prompt, task)) == answer
+
+
+def test_polynomial_windows_start_with_an_example_and_mark_answers():
+    task = PolynomialTask()
+    tokens, answer = task.sequence(_rng(0, 0, 0), 64)
+    ex, start = task.example(_rng(0, 0, 0))
+    assert list(tokens[: len(ex)]) == ex
+    assert answer[start : start + task.m].all() and not answer[:start].any()
+
+
+def test_datamodule_windows_shape_and_determinism():
+    task = PolynomialTask()
+    kw = dict(seq_len=32, n_future=4, batch_size=5, train_steps=3, seed=0)
+    a = next(iter(SyntheticDataModule(task, **kw).train_dataloader()))
+    b = next(iter(SyntheticDataModule(task, **kw).train_dataloader()))
+    assert a.shape == (5, 36) and a.dtype == torch.int64 and torch.equal(a, b)
+
+
+def test_accuracy_metrics_run_and_lie_in_range():
+    torch.manual_seed(0)
+    model = MTPTransformer(ModelConfig(vocab_size=PolynomialTask().vocab_size, d_model=16,
+                                       n_layers=1, n_heads=2, n_future=2, max_seq_len=80)).eval()
+    exact, coef = arithmetic_accuracy(model, PolynomialTask(), 3, n_examples=10)
+    assert 0 <= exact <= coef <= 1
+    model = MTPTransformer(ModelConfig(vocab_size=InductionTask().vocab_size, d_model=16,
+                                       n_layers=1, n_heads=2, n_future=1, max_seq_len=64)).eval()
+    assert 0 <= induction_accuracy(model, InductionTask(), n_seqs=4, length=32) <= 1
+
+
+# -- results, statistics, reports -------------------------------------------------------------
+
+
+def test_results_csv_appends_and_knows_what_is_done(tmp_path):
+    res = common.ResultsCSV(tmp_path / "r.csv", ["K", "seed", "x"], ["K", "seed"])
+    assert res.done() == set()
+    res.append({"K": 1, "seed": 0, "x": 0.5})
+    res.append({"K": 2, "seed": 0, "x": float("nan")})
+    assert res.is_done(K=1, seed=0) and res.is_done(K=2, seed=0)
+    assert not res.is_done(K=1, seed=1)
+    assert [r["x"] for r in res.rows()] == ["0.5", ""]
+
+
+def test_summarize_matches_numpy():
+    xs = [0.1, 0.4, 0.35]
+    s = common.summarize(xs + [float("nan")])
+    assert s["n"] == 3 and s["mean"] == pytest.approx(np.mean(xs))
+    assert s["std"] == pytest.approx(np.std(xs, ddof=1))
+    assert s["ci95"] == pytest.approx(4.303 * np.std(xs, ddof=1) / math.sqrt(3))
+
+
+def _write_csv(path: Path, columns: list[str], rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=columns)
+        w.writeheader()
+        w.writerows(rows)
+
+
+def test_induction_and_arithmetic_reports_from_a_small_csv(tmp_path):
+    rows = [{"d_model": d, "K": k, "seed": s, "params": 1000 * d, "n_layers": 2, "steps": 10,
+             "copy_acc": 0.3 + 0.1 * k + 0.01 * s, "chance": 1 / 32, "train_s": 1.0}
+            for d in (32, 64) for k in (1, 2) for s in range(3)]
+    _write_csv(tmp_path / "ind" / "results.csv", induction.COLUMNS, rows)
+    text = induction.report(tmp_path / "ind", common.load_preset("induction", "cpu"), "cmd")
+    assert (tmp_path / "ind" / "induction_accuracy.png").stat().st_size > 0
+    assert "reproduces" in text and "cmd" in text
+
+    rows = [{"d_model": 64, "K": k, "seed": s, "params": 5000, "steps": 10, "acc_in": 0.5,
+             "acc_out": 0.1 + 0.01 * s, "coef_acc_in": 0.7, "coef_acc_out": 0.3,
+             "acc_by_ops": json.dumps({1: 0.6, 2: 0.4, 3: 0.1 + 0.01 * s}), "chance": 0.02,
+             "train_s": 1.0} for k in (1, 2, 4) for s in range(3)]
+    _write_csv(tmp_path / "ar" / "results.csv", arithmetic.COLUMNS, rows)
+    arithmetic.report(tmp_path / "ar", common.load_preset("arithmetic", "cpu"), "cmd")
+    for name in ("README.md", "accuracy_by_ops_d64.png", "accuracy_in_vs_k.png",
+                 "accuracy_out_vs_k.png"):
+        assert (tmp_path / "ar" / name).stat().st_size > 0
+
+
+def test_every_preset_loads_and_names_its_fields():
+    for path in sorted((REPO / "experiments" / "presets").glob("*.yaml")):
+        study, name = path.stem.split("_", 1) if not path.stem.startswith("k_sweep") else (
+            "k_sweep", path.stem.removeprefix("k_sweep_"))
+        preset = common.load_preset(study, name)
+        assert preset["seeds"] and len(preset["seeds"]) >= 3, path
+        if study == "k_sweep":
+            cfg = k_sweep.run_fit_config(preset, 2, 0, Path("/tmp/x"))
+            assert cfg["model"]["matched_params"] and cfg["model"]["n_future"] == 2
+            assert (REPO / preset["fit_config"]).is_file()
+
+
+# -- the K sweep, tiny, end to end -------------------------------------------------------------
+
+
+def test_fit_argv_resumes_from_last_checkpoint(tmp_path):
+    assert "--ckpt_path" not in k_sweep.fit_argv(tmp_path)
+    last = tmp_path / "tb" / "version_0" / "checkpoints" / "last.ckpt"
+    last.parent.mkdir(parents=True)
+    torch.save({"state_dict": {"w": torch.ones(2)}, "global_step": 7}, last)
+    argv = k_sweep.fit_argv(tmp_path)
+    assert argv[argv.index("--ckpt_path") + 1] == str(last)
+
+
+def test_k_sweep_runs_reports_and_skips_finished_runs(tiny_corpus, tmp_path, monkeypatch):
+    preset = {
+        "fit_config": "configs/debug.yaml",
+        "fit": {"trainer": {"max_steps": 4, "val_check_interval": 2, "limit_val_batches": 1,
+                            "devices": 1, "accelerator": "cpu", "enable_progress_bar": False},
+                "data": {"source": str(tiny_corpus), "cache_dir": str(tmp_path / "cache"),
+                         "max_documents": None, "val_fraction": 0.2, "seq_len": 16,
+                         "batch_size": 4},
+                "model": {"vocab_size": 300, "n_layers": 2, "max_seq_len": 64}},
+        "ks": [1, 2], "seeds": [0],
+        "eval": {"device": "cpu", "val_windows": 4, "humaneval_limit": 0, "mbpp_limit": 0,
+                 "max_new_tokens": 4, "batch_size": 2, "workers": 1, "spec_prompts": 2,
+                 "spec_prompt_tokens": 4, "spec_new_tokens": 6},
+    }
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(preset))
+    out, work = tmp_path / "out", tmp_path / "work"
+    monkeypatch.setattr(k_sweep, "single_thread", lambda: None)  # keep the session's threads
+    argv = ["--preset", str(path), "--out", str(out), "--work", str(work)]
+    assert k_sweep.main(argv) == 0
+    rows = list(csv.DictReader(open(out / "results.csv")))
+    assert [(r["K"], r["seed"]) for r in rows] == [("1", "0"), ("2", "0")]
+    assert rows[0]["params"] == rows[1]["params"]  # matched parameter counts
+    assert float(rows[0]["spec_L"]) == 1.0 and rows[1]["spec_identical"] == "1"
+    for name in ("README.md", "loss_vs_k.png", "L_vs_k.png", "speedup_vs_k.png"):
+        assert (out / name).stat().st_size > 0
+    assert list((work / "hparams" / "K2-s0").glob("events.out.tfevents.*"))
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("a finished run was trained again")
+
+    monkeypatch.setattr(k_sweep, "train", no_training)
+    assert k_sweep.main(argv) == 0
+    assert len(list(csv.DictReader(open(out / "results.csv")))) == 2
