@@ -55,9 +55,11 @@ class MTPModule(L.LightningModule):
         if self.flops_per_batch is None:
             T = batch.shape[1] - self.model_cfg.n_future
             self.flops_per_batch = self.model.flops_per_token(T) * batch.shape[0] * T
-        # accuracy costs the sequential pass an extra matmul per head: only on logging steps
+        # accuracy costs the sequential pass an extra matmul per head: only on the steps Lightning
+        # writes to the logger ((steps so far + 1) % log_every_n_steps == 0), so no stale value
+        # from an earlier step is written under a later one
         out = self.compute_loss(
-            batch, with_accuracy=self.global_step % self.trainer.log_every_n_steps == 0)
+            batch, with_accuracy=(self.global_step + 1) % self.trainer.log_every_n_steps == 0)
         self.log("train/loss", out.loss, prog_bar=True)
         self._log_heads("train", out)
         return out.loss
