@@ -197,6 +197,17 @@ def _default_chunk(n: int, vocab: int, impl: str, itemsize: int) -> int:
     return max(1, min(n, max(_CPU_MIN_CHUNK_TOKENS, _CPU_CHUNK_BYTES // (vocab * 4))))
 
 
+def _autocast_inputs(hidden: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
+    """Autocast's rule for a matmul: fp16/bf16/fp32 operands go to the autocast dtype, fp64
+    operands are left alone."""
+    if torch.is_autocast_enabled(hidden.device.type):
+        dtype = torch.get_autocast_dtype(hidden.device.type)
+        eligible = (torch.float16, torch.bfloat16, torch.float32)
+        if hidden.dtype in eligible and weight.dtype in eligible:
+            return hidden.to(dtype), weight.to(dtype)
+    return hidden, weight
+
+
 def linear_cross_entropy(
     hidden: Tensor,
     weight: Tensor,
@@ -234,13 +245,7 @@ def linear_cross_entropy(
     # NOTE: an all-ignored batch gives loss 0 (torch.nn.functional.cross_entropy gives NaN), so that
     # the sequential multi-token loss stays finite when one head has no valid target (the last K-1
     # positions of a short window, or a fully padded micro-batch); 0/1 instead of 0/0.
-    if torch.is_autocast_enabled(hidden.device.type):
-        # Autocast's rule for a matmul: fp16/bf16/fp32 operands go to the autocast dtype, fp64
-        # operands are left alone.
-        dtype = torch.get_autocast_dtype(hidden.device.type)
-        eligible = (torch.float16, torch.bfloat16, torch.float32)
-        if hidden.dtype in eligible and weight.dtype in eligible:
-            hidden, weight = hidden.to(dtype), weight.to(dtype)
+    hidden, weight = _autocast_inputs(hidden, weight)
     _validate(hidden, weight, targets, ignore_index, reduction)
     impl = _resolve_impl(impl, hidden.device)
     if chunk_size is not None and chunk_size < 1:
@@ -297,11 +302,7 @@ def linear_cross_entropy_fwd_bwd(
         ``(loss, dhidden)``: the mean loss (fp32, unscaled) and ``scale * dloss/dhidden`` in
         ``hidden``'s dtype.
     """
-    if torch.is_autocast_enabled(hidden.device.type):
-        dtype = torch.get_autocast_dtype(hidden.device.type)
-        eligible = (torch.float16, torch.bfloat16, torch.float32)
-        if hidden.dtype in eligible and weight.dtype in eligible:
-            hidden, weight = hidden.to(dtype), weight.to(dtype)
+    hidden, weight = _autocast_inputs(hidden, weight)
     _validate(hidden, weight, targets, ignore_index, "mean")
     acc_dtype = torch.promote_types(hidden.dtype, torch.float32)
     if (dweight_acc.shape != weight.shape or dweight_acc.dtype != acc_dtype
