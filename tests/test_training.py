@@ -209,3 +209,31 @@ def test_training_learns_far_below_unigram_entropy(tiny_corpus, tmp_path):
         entropy = unigram_entropy(dm.val_tokens, dm.tokenizer.get_vocab_size())
         assert losses[0] < 0.75 * entropy, (strategy, float(losses[0]), entropy)
         assert losses[1] < entropy
+
+
+def test_train_accuracy_is_computed_on_the_steps_that_are_logged(tiny_corpus, tmp_path):
+    """The sequential pass computes accuracy only on logging steps; each logged value must come
+    from the step it is logged under, not from an earlier one."""
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    computed = []
+
+    class Probe(MTPModule):
+        def compute_loss(self, window, *, with_accuracy=True):
+            if self.training and with_accuracy:
+                computed.append(self.global_step)
+            return super().compute_loss(window, with_accuracy=with_accuracy)
+
+    L.seed_everything(0)
+    module = Probe(TINY, OptimConfig(warmup_steps=2, decay_steps=20), LossConfig("sequential"))
+    dm = MTPDataModule(DataConfig(source=str(tiny_corpus), cache_dir=str(tmp_path / "cache"),
+                                  seq_len=16, batch_size=4, val_fraction=0.1),
+                       vocab_size=TINY.vocab_size, n_future=TINY.n_future)
+    L.Trainer(max_steps=12, log_every_n_steps=4, logger=CSVLogger(tmp_path), limit_val_batches=0,
+              enable_checkpointing=False, enable_progress_bar=False,
+              use_distributed_sampler=False).fit(module, datamodule=dm)
+    rows = csv.DictReader((tmp_path / "lightning_logs" / "version_0" / "metrics.csv").open())
+    logged = [int(r["step"]) for r in rows if r.get("train/acc_head1")]
+    assert logged and logged == computed == [3, 7, 11]
