@@ -5,8 +5,10 @@ import shlex
 from pathlib import Path
 
 import pytest
+import yaml
 
 from mtp.cli import main
+from mtp.config import DataConfig, LossConfig, ModelConfig, OptimConfig, RunConfig
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
@@ -48,8 +50,14 @@ def _mtp_commands() -> list[list[str]]:
 def test_readme_fit_commands_parse(args, monkeypatch, capsys, tmp_path):
     monkeypatch.chdir(REPO)
     with pytest.raises(SystemExit) as exit_:
-        main([*args, "--print_config"])  # parses and validates every key, trains nothing
-    assert exit_.value.code in (0, None), capsys.readouterr().err
+        main([*args, "--print_config"])  # parses every key and type, trains nothing
+    out = capsys.readouterr()
+    assert exit_.value.code in (0, None), out.err
+    if "--help" in args:
+        return
+    cfg = yaml.safe_load(out.out)
+    RunConfig(model=ModelConfig(**cfg["model"]), data=DataConfig(**cfg["data"]),
+              optim=OptimConfig(**cfg["optim"]), loss=LossConfig(**cfg["loss"]))  # values
 
 
 @pytest.mark.parametrize("args", [c for c in _mtp_commands() if c and c[0] != "fit"],
