@@ -89,17 +89,24 @@ class MTPCLI(LightningCLI):
         self.run_config = run
         self.trainer_defaults = {**self.trainer_defaults,
                                  "callbacks": default_callbacks(run.model.n_future)}
+        if c.trainer.strategy == "fsdp":  # FSDP2 on CPU and GPU alike (mtp.parallel)
+            from mtp.parallel import FSDPStrategy
+
+            c.trainer.strategy = FSDPStrategy()
         self.model = MTPModule(run.model, run.optim, run.loss)
         self.datamodule = build_datamodule(run.data, vocab_size=run.model.vocab_size,
                                            n_future=run.model.n_future)
         self.trainer = self.instantiate_trainer()
 
     def after_fit(self) -> None:
+        from mtp.parallel import full_model
+
+        model = full_model(self.model.model)  # a collective under FSDP: on every rank
         if self.trainer.is_global_zero:
-            report_fit(self.trainer, self.model, self.datamodule)
+            report_fit(self.trainer, self.model, self.datamodule, model.to(self.model.device))
 
 
-def report_fit(trainer, module: MTPModule, dm: MTPDataModule) -> None:
+def report_fit(trainer, module: MTPModule, dm: MTPDataModule, model) -> None:
     """Print per-head validation loss, a sampled code snippet, and where the results are."""
     metrics = trainer.callback_metrics
     K = module.model_cfg.n_future
@@ -113,9 +120,9 @@ def report_fit(trainer, module: MTPModule, dm: MTPDataModule) -> None:
     from mtp.decoding import generate
 
     prompt = "def fibonacci(n):\n"
-    module.model.eval()
+    model.eval()
     # sampled, not greedy: greedy decoding of a model this small loops on one line
-    new, _ = generate(module.model, [dm.tokenizer.encode(prompt).ids], 64, decoder="sample",
+    new, _ = generate(model, [dm.tokenizer.encode(prompt).ids], 64, decoder="sample",
                       temperature=0.7, top_p=0.95, eot_id=dm.tokenizer.token_to_id(EOT_TOKEN),
                       generator=torch.Generator(module.device).manual_seed(0))
     print(f"\nsample (temperature 0.7, top-p 0.95):\n{prompt}{dm.tokenizer.decode(new[0])}\n")

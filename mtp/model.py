@@ -11,6 +11,8 @@ H attention heads, Hkv key/value heads, hd head width.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +20,8 @@ from einops import rearrange
 from torch import nn
 
 from mtp.config import MODEL_REGISTRY, ModelConfig
+
+T_out = TypeVar("T_out")
 
 __all__ = ["KVCache", "MODEL_REGISTRY", "MTPTransformer", "ModelConfig", "build_model"]
 
@@ -280,12 +284,20 @@ class MTPTransformer(nn.Module):
         cache: KVCache | None = None,
         slots: torch.Tensor | None = None,
         mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Logits of the first `n_heads` heads (default all K): (K, B, T, V)."""
+        heads_fn: Callable[[torch.Tensor, tuple[torch.Tensor, torch.Tensor]], T_out] | None = None,
+    ) -> torch.Tensor | T_out:
+        """Logits of the first `n_heads` heads (default all K): (K, B, T, V).
+
+        With `heads_fn`, return `heads_fn(h, rope)` of the trunk output h (B, T, d) instead: the
+        memory-efficient loss runs the heads itself, and doing so inside this call lets wrappers
+        that hook the forward (FSDP, DDP) see one forward of the whole model.
+        """
         n_heads = self.cfg.n_future if n_heads is None else n_heads
         if not 1 <= n_heads <= self.cfg.n_future:
             raise ValueError(f"n_heads must be in [1, {self.cfg.n_future}] (got {n_heads})")
         h, rope = self.trunk(idx, positions=positions, cache=cache, slots=slots, mask=mask)
+        if heads_fn is not None:
+            return heads_fn(h, rope)
         return torch.stack([
             self.unembed(self.head_hidden(i, h, rope, cache=cache, slots=slots, mask=mask))
             for i in range(n_heads)

@@ -71,6 +71,22 @@ class MTPModule(L.LightningModule):
         self.log("val/next_token_loss", out.head_losses[0], prog_bar=True, sync_dist=True)
         self._log_heads("val", out, sync_dist=True)
 
+    def configure_model(self) -> None:
+        """Shard the model with FSDP2 when the strategy provides a device mesh (`--trainer.strategy
+        fsdp`, see `mtp.parallel`); under any other strategy this does nothing."""
+        if self.device_mesh is None:
+            return
+        from torch.distributed.tensor import DTensor
+
+        from mtp.parallel import shard_model
+
+        if isinstance(self.model.embed.weight, DTensor):  # sharded already (a second fit)
+            return
+
+        precision = str(self.trainer.precision)
+        param_dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
+        shard_model(self.model, self.device_mesh["data_parallel"], param_dtype=param_dtype)
+
     # -- optimisation ----------------------------------------------------------------------
     def configure_optimizers(self):
         o = self.optim_cfg
@@ -98,13 +114,7 @@ class MTPModule(L.LightningModule):
         checkpoint["mtp"] = mtp_metadata(self.model_cfg, self.trainer.datamodule.tokenizer)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        saved_cfg = checkpoint.get("mtp", {}).get("model_config", {})
-        ours = dataclasses.asdict(self.model_cfg)
-        differ = [f"--model.{k} (checkpoint {saved_cfg[k]!r}, now {ours[k]!r})"
-                  for k in ours if k in saved_cfg and saved_cfg[k] != ours[k]]
-        if differ:
-            raise ValueError("the checkpoint was trained with another model config: "
-                             + ", ".join(differ))
+        check_checkpoint_config(checkpoint, self.model_cfg)
         dm = self.trainer.datamodule if self._trainer is not None else None
         saved = checkpoint.get("mtp", {}).get("tokenizer")
         if dm is not None and dm.tokenizer is not None and saved is not None \
@@ -115,6 +125,17 @@ class MTPModule(L.LightningModule):
                 f"{dm.tokenizer.get_vocab_size()}); resume with the same --data.source and "
                 "--data.tokenizer"
             )
+
+
+def check_checkpoint_config(checkpoint: dict, model_cfg: ModelConfig) -> None:
+    """Raise if a checkpoint was trained with another model config, naming each flag."""
+    saved_cfg = checkpoint.get("mtp", {}).get("model_config", {})
+    ours = dataclasses.asdict(model_cfg)
+    differ = [f"--model.{k} (checkpoint {saved_cfg[k]!r}, now {ours[k]!r})"
+              for k in ours if k in saved_cfg and saved_cfg[k] != ours[k]]
+    if differ:
+        raise ValueError("the checkpoint was trained with another model config: "
+                         + ", ".join(differ))
 
 
 def _vocab_size(tokenizer_json: str) -> int:

@@ -1,0 +1,100 @@
+"""Sharded data parallelism: FSDP2 (`fully_shard`) per trunk block and per head, on CPU and GPU.
+
+`mtp fit --trainer.strategy fsdp` maps to `FSDPStrategy`, a Lightning `ModelParallelStrategy` whose
+device mesh is all data parallel (Lightning's own `fsdp` string is FSDP1, which refuses a CPU
+accelerator). `MTPModule.configure_model` calls `shard_model` on that mesh.
+
+Why FSDP2 through `ModelParallelStrategy`: the sequential head pass keeps every head in the
+ordinary autograd graph (`mtp.loss.sequential_heads_loss`), so a head can be its own sharded unit
+like a trunk block: its parameters are gathered for its forward, freed, gathered again for the
+recomputation and backward, and its gradients reduce-scattered as soon as they are complete. The
+embedding, the shared final norm and the unembedding form the root unit, which FSDP2 keeps
+gathered from forward to backward: W is used by all K heads.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+
+from mtp.model import MTPTransformer
+
+
+def shard_model(model: MTPTransformer, mesh, *, param_dtype: torch.dtype | None = None) -> None:
+    """Apply `fully_shard` to every trunk block, every head, then the model (the root unit).
+
+    Args:
+        model: The model, in place.
+        mesh: A 1-D device mesh of the data-parallel ranks.
+        param_dtype: Gather parameters in this dtype for compute (bf16 for `bf16-mixed`), with
+            gradients reduced in fp32; None keeps the parameters' own dtype.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    kw: dict[str, Any] = {"mesh": mesh}
+    if param_dtype is not None:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype,
+                                               reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fully_shard(block, **kw)
+    for head in model.heads:
+        fully_shard(head, **kw)
+    fully_shard(model, **kw)
+
+
+def is_sharded(model: MTPTransformer) -> bool:
+    """Whether `shard_model` was applied (the parameters are DTensors)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(model.embed.weight, DTensor)
+
+
+def full_model(model: MTPTransformer) -> MTPTransformer | None:
+    """An unsharded copy of a sharded model on rank 0 (None on the other ranks); the model itself
+    when it is not sharded. A collective: every rank must call it."""
+    if not is_sharded(model):
+        return model
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                 cpu_offload=True))
+    if dist.get_rank() != 0:
+        return None
+    full = MTPTransformer(model.cfg)
+    full.load_state_dict(state)
+    return full
+
+
+class FSDPStrategy(ModelParallelStrategy):
+    """FSDP2 over every process (no tensor parallelism), saving full (unsharded) checkpoints.
+
+    Full checkpoints are ordinary Lightning checkpoint files: `mtp.checkpoint.load_checkpoint`,
+    `mtp generate` and `mtp eval` read them as they read single-process ones, and a run resumes
+    from them under any strategy.
+    """
+
+    strategy_name = "fsdp"
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("save_distributed_checkpoint", False)
+        super().__init__(**kwargs)
+
+    def setup_environment(self) -> None:
+        self._data_parallel_size = self.num_nodes * self.num_processes
+        self._tensor_parallel_size = 1
+        super().setup_environment()
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict:
+        # The model's config is checked before the weights are loaded: a checkpoint of another
+        # config would otherwise fail inside the state-dict loading, on a tensor shape.
+        from mtp.module import check_checkpoint_config
+
+        path = Path(checkpoint_path)
+        if path.is_file():
+            meta = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+            check_checkpoint_config(meta, self.lightning_module.model_cfg)
+        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
