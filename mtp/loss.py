@@ -8,13 +8,13 @@ linear-cross-entropy kernel, so no [N, V] logits buffer is ever held; `head_metr
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from mtp.kernels import linear_cross_entropy, linear_cross_entropy_fwd_bwd
 from mtp.model import MTPTransformer
@@ -83,59 +83,115 @@ def naive_heads_loss(
     return MTPLossOutput(loss, head_losses.detach(), acc)
 
 
-class _SharedWeightGrad:
-    """The one fp32 gradient buffer of the shared unembedding W, filled by every head's loss."""
+class _SequentialHeads(torch.autograd.Function):
+    """All K heads' losses, one head at a time, with every gradient computed in the forward.
 
-    def __init__(self) -> None:
-        self.dweight: torch.Tensor | None = None
+    For each head: head forward on the trunk output; fused linear-cross-entropy forward and
+    backward (no [N, V] logits), which adds the head's dL/dW straight into one fp32 buffer for the
+    shared unembedding W and returns dL/dz; the head's backward from dL/dz into dL/dh and its own
+    parameters; then the head's activations are freed. The outer backward only scales the stored
+    gradients by the incoming one and hands dL/dh to the trunk.
 
-    def buffer(self, weight: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        if self.dweight is None:
-            dtype = torch.promote_types(hidden.dtype, torch.float32)
-            if torch.is_autocast_enabled(hidden.device.type) and dtype != torch.float64:
-                dtype = torch.float32
-            self.dweight = torch.zeros_like(weight, dtype=dtype)
-        return self.dweight
-
-
-class _FusedHeadLoss(torch.autograd.Function):
-    """One head's loss w * CE(z @ W.T, t), with its gradients computed in the forward.
-
-    The fused linear-cross-entropy forward and backward run together (6 N d V FLOPs, no [N, V]
-    buffer): dL/dz is kept for the backward, and dL/dW is added into the step's one shared
-    buffer rather than held per head. The first of the K heads' backward calls hands that buffer
-    over as W's gradient (scaled by the incoming gradient, which is the same for every head: the
-    weighted losses are summed) and the others return none, so W's gradient exists once.
+    Doing the head backward inside an autograd node (rather than calling `.backward()` in the
+    training step) keeps the step a single forward and a single backward: gradient accumulation
+    and loss scaling arrive as `grad_out`, and DDP's hooks see every gradient in its one backward.
+    Under FSDP2 each head is its own sharded unit: it is gathered for its turn, and its gradients
+    are reduce-scattered into the sharded layout before it is freed (`_gathered_head`).
     """
 
     @staticmethod
-    def forward(ctx, z, weight, targets, scale, shared, fwd_bwd):
-        loss, dz = fwd_bwd(z, weight, targets, shared.buffer(weight, z), scale=scale,
-                           ignore_index=IGNORE_INDEX)
-        # Plain attributes, not save_for_backward: backward scales them in place and hands them
-        # over instead of allocating scaled copies.
-        ctx.dz, ctx.shared, ctx.weight_dtype = dz, shared, weight.dtype
-        ctx.mark_non_differentiable(loss)
-        return loss * scale, loss
+    def forward(ctx, model, rope, targets, weights, with_accuracy, fwd_bwd, h, *params):
+        W = model.unembed.weight
+        head_losses, head_accs = [], []
+        with torch.enable_grad():
+            h_leaf = h.detach().requires_grad_()
+            shared = [h_leaf, *(p for p in params if not _in_any_head(p, model))]
+            grads = dict.fromkeys(params)  # summed over heads, in place
+            grads[W] = torch.zeros_like(W, dtype=torch.promote_types(W.dtype, torch.float32))
+            dh = None
+            for i, head in enumerate(model.heads):
+                own = list(head.parameters())  # sharded under FSDP, like `params`
+                with _gathered_head(head) as (head_params, to_sharded):
+                    # the head's own forward, not its __call__: FSDP's hooks would free the
+                    # gathered parameters before their gradients are taken here
+                    z = model.norm(head.forward(h_leaf, *rope))  # (B, T, d)
+                    t = targets[i].flatten()
+                    loss, dz = fwd_bwd(z.detach().flatten(0, 1), W.detach(), t, grads[W],
+                                       scale=weights[i], ignore_index=IGNORE_INDEX)
+                    head_losses.append(loss)
+                    if with_accuracy:
+                        head_accs.append(_accuracy(z.detach().flatten(0, 1), W, t))
+                    wrt = [*shared, *head_params]
+                    wrt = [p for p in wrt if p.requires_grad and p is not W]
+                    got = dict(zip(map(id, wrt), torch.autograd.grad(
+                        z, wrt, grad_outputs=dz.view_as(z), allow_unused=True)))
+                    del z, dz  # frees this head's activations before the next head runs
+                    dh = _add(dh, got.pop(id(h_leaf)))
+                    for p in shared[1:]:
+                        if id(p) in got:
+                            grads[p] = _add(grads[p], got.pop(id(p)))
+                    for p, g in zip(own, to_sharded([got.get(id(q)) for q in head_params])):
+                        grads[p] = g
+        grads[W] = grads[W].to(W.dtype)
+        # Plain attributes, not save_for_backward: backward hands each buffer over (scaled in
+        # place) instead of allocating a scaled copy next to it, which would double the
+        # gradients' memory right when the trunk backward starts.
+        ctx.grads = [dh, *grads.values()]
+        head_losses = torch.stack(head_losses)
+        head_accs = torch.stack(head_accs) if with_accuracy else head_losses.new_zeros(0)
+        ctx.mark_non_differentiable(head_losses, head_accs)
+        return (weights * head_losses).sum(), head_losses, head_accs
 
     @staticmethod
-    def backward(ctx, grad_weighted, _grad_loss):
-        if not hasattr(ctx, "dz"):
+    def backward(ctx, grad_total, _grad_heads, _grad_accs):
+        if not hasattr(ctx, "grads"):
             raise RuntimeError("the sequential MTP loss supports a single backward pass "
                                "(its gradients were computed in the forward and handed over)")
-        dz, shared = ctx.dz, ctx.shared
-        del ctx.dz, ctx.shared
-        # grad_weighted is 1, or 1 / accumulate_grad_batches, or a loss scale: a scalar
-        unit = bool((grad_weighted == 1).all())
-        if not unit:
-            dz.mul_(grad_weighted.to(dz.dtype))
-        dweight = None
-        if shared.dweight is not None and ctx.needs_input_grad[1]:
-            dweight, shared.dweight = shared.dweight, None
-            if not unit:
-                dweight.mul_(grad_weighted.to(dweight.dtype))
-            dweight = dweight.to(ctx.weight_dtype)
-        return dz, dweight, None, None, None, None
+        grads = ctx.grads
+        del ctx.grads
+        # grad_total is 1, or 1 / accumulate_grad_batches, or a loss scale: a scalar
+        if not (grad_total == 1).all():
+            for g in grads:
+                if g is not None:
+                    g.mul_(grad_total.to(g.dtype))
+        return (None, None, None, None, None, None, *grads)
+
+
+def _add(acc: torch.Tensor | None, g: torch.Tensor | None) -> torch.Tensor | None:
+    return g if acc is None else acc if g is None else acc.add_(g)
+
+
+def _in_any_head(p: torch.Tensor, model: MTPTransformer) -> bool:
+    return any(p is q for q in model.heads.parameters())
+
+
+@contextlib.contextmanager
+def _gathered_head(head: torch.nn.Module):
+    """The head's parameters for computing, and a map of their gradients to the layout of the
+    head's own parameters.
+
+    A plain head: its parameters, gradients unchanged. An FSDP2 head (`mtp.parallel`): gathered
+    (all-gather) for the duration, and each full gradient reduce-scattered to its shard with the
+    averaging FSDP itself applies, in the sharded parameter's dtype; freed again on exit.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(head, FSDPModule):
+        yield list(head.parameters()), lambda gs: gs
+        return
+    from torch.distributed.tensor import DTensor, Partial
+
+    sharded = list(head.parameters())
+    head.unshard()
+    try:
+        def to_sharded(gs: list[torch.Tensor | None]) -> list[DTensor | None]:
+            return [None if g is None else DTensor.from_local(
+                g.to(p.dtype), p.device_mesh, [Partial("avg")] * p.device_mesh.ndim,
+            ).redistribute(p.device_mesh, p.placements) for p, g in zip(sharded, gs)]
+
+        yield list(head.parameters()), to_sharded
+    finally:
+        head.reshard()
 
 
 def fwd_bwd_from_loss(loss_fn: Callable[..., torch.Tensor]) -> Callable:
@@ -189,37 +245,20 @@ def sequential_heads_loss(
 ) -> MTPLossOutput:
     """The heads' part of `sequential_mtp_loss`, from the trunk output h (B, T, d).
 
-    Each head runs under activation checkpointing: its block's activations are recomputed in the
-    backward, so between forward and backward a head keeps only dL/dz (N x d) and the trunk
-    output h is the one activation all heads share. Everything stays in the ordinary autograd
-    graph, so gradient accumulation, loss scaling, DDP and FSDP (one sharded unit per head) see
-    a plain forward and backward.
+    All heads run inside one autograd node (`_SequentialHeads`), their backward included, so
+    between forward and backward only dL/dh, the heads' parameter gradients and the one shared
+    dL/dW are kept, whatever K is.
 
     `fwd_bwd` is the loss-and-gradients function (`mtp.kernels.linear_cross_entropy_fwd_bwd`);
     benchmarks swap in `fwd_bwd_from_loss(unfused_ce)` to separate what the sequential order
     saves from what the fused kernel saves.
     """
-    # NOTE: design. Measured on the `cpu` model (K = 4, matched parameters, fp32, 2 threads,
-    # interleaved, median of 5), this pass against the earlier one that ran every head's backward
-    # inside one autograd node during the forward (which FSDP cannot shard, as its parameter
-    # gradients bypass the sharded parameters' hooks): ~1.0x the time. Recomputing the loss in
-    # the backward instead of keeping dL/dz (so that only h is kept) cost 1.5x the time.
-    W = model.unembed.weight
-    weights = head_weights or [1.0] * model.cfg.n_future
-    shared = _SharedWeightGrad()
-    weighted, head_losses, head_accs = [], [], []
-    for i in range(model.cfg.n_future):
-        z = checkpoint(model.head_hidden, i, h, rope, use_reentrant=False,
-                       preserve_rng_state=False)  # (B, T, d)
-        t = targets[i].flatten()
-        w_loss, loss = _FusedHeadLoss.apply(z.flatten(0, 1), W, t, weights[i], shared, fwd_bwd)
-        weighted.append(w_loss)
-        head_losses.append(loss)
-        if with_accuracy:
-            head_accs.append(_accuracy(z.detach().flatten(0, 1), W, t))
-        del z  # the head's activations are gone until its backward recomputes them
-    return MTPLossOutput(torch.stack(weighted).sum(), torch.stack(head_losses),
-                         torch.stack(head_accs) if with_accuracy else None)
+    params = [*model.heads.parameters(), model.norm.weight, model.unembed.weight]
+    params = list({id(p): p for p in params}.values())  # a tied or shared tensor once
+    weights = _head_weights(head_weights, model.cfg.n_future, h.device)
+    loss, head_losses, head_accs = _SequentialHeads.apply(model, rope, targets, weights,
+                                                          with_accuracy, fwd_bwd, h, *params)
+    return MTPLossOutput(loss, head_losses, head_accs if with_accuracy else None)
 
 
 @torch.no_grad()

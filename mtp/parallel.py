@@ -4,12 +4,14 @@
 device mesh is all data parallel (Lightning's own `fsdp` string is FSDP1, which refuses a CPU
 accelerator). `MTPModule.configure_model` calls `shard_model` on that mesh.
 
-Why FSDP2 through `ModelParallelStrategy`: the sequential head pass keeps every head in the
-ordinary autograd graph (`mtp.loss.sequential_heads_loss`), so a head can be its own sharded unit
-like a trunk block: its parameters are gathered for its forward, freed, gathered again for the
-recomputation and backward, and its gradients reduce-scattered as soon as they are complete. The
-embedding, the shared final norm and the unembedding form the root unit, which FSDP2 keeps
-gathered from forward to backward: W is used by all K heads.
+Why FSDP2 through `ModelParallelStrategy`: FSDP2 shards parameters as DTensors per module, so a
+head can be its own sharded unit like a trunk block. The sequential head pass
+(`mtp.loss.sequential_heads_loss`) runs every head's forward and backward inside one autograd
+node, which FSDP's module hooks cannot follow; it gathers each head itself for its turn
+(`FSDPModule.unshard`), reduce-scatters the head's gradients to their shards (a DTensor
+redistribution from partial sums, averaged as FSDP averages), and frees it again (`reshard`), so
+one head at a time is whole. The embedding, the shared final norm and the unembedding form the
+root unit, which FSDP2 keeps gathered from forward to backward: W is used by all K heads.
 """
 
 from __future__ import annotations
