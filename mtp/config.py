@@ -137,9 +137,20 @@ MODEL_REGISTRY: dict[str, ModelConfig] = {
 class DataConfig:
     """Where the text comes from, how it is tokenised, and how it is batched."""
 
+    #: Keys an entry of `sources` may set; all but `source` and `weight` default to the
+    #: top-level field of the same name.
+    SOURCE_KEYS = ("source", "weight", "hf_config", "hf_split", "text_field", "streaming",
+                   "max_documents", "max_tokens")
+
     source: str = "stdlib"
     """`stdlib` (the running Python's standard library sources, offline), a Hugging Face dataset
     name, or local files: a path, directory or glob of .py, .txt, .jsonl or .parquet files."""
+    sources: list[dict] | None = None
+    """A mixture instead of `source`: a list of `{source: ..., weight: ...}` (weight default 1),
+    each entry optionally overriding `hf_config`, `hf_split`, `text_field`, `streaming`,
+    `max_documents` and `max_tokens`. Each source gets its own token shards; training windows
+    come from source j with probability weight_j / sum(weights); validation uses every
+    source's held-out split. `source` must then stay at its default."""
     hf_config: str | None = None
     """Hugging Face dataset configuration name."""
     hf_split: str = "train"
@@ -149,15 +160,24 @@ class DataConfig:
     streaming: bool = False
     """Stream a Hugging Face dataset instead of downloading it whole."""
     max_documents: int | None = None
-    """Read at most this many documents (useful with `streaming`)."""
+    """Read at most this many documents (files or rows, empty ones included)."""
+    max_tokens: int | None = None
+    """Stop reading a source once its training split holds this many tokens (the last document
+    is cut there); validation keeps the held-out documents met on the way, so it stays about
+    val_fraction of what was read. With `sources`: the default of each entry's `max_tokens`."""
     val_fraction: float = 0.02
     """Share of documents (chosen by a hash of each document's name) held out for validation."""
     tokenizer: str | None = None
     """An existing `tokenizer.json`; None trains a byte-level BPE on the training split."""
     tokenizer_train_bytes: int = 8_000_000
-    """Train the BPE on at most this many bytes of training text."""
+    """Train the BPE on at most this many bytes of training text (shared among `sources` in
+    proportion to their weights)."""
+    tokenize_workers: int | None = None
+    """Processes that tokenise the corpus (None: one per available CPU core); the shards are
+    byte-identical for any count."""
     cache_dir: str = ".mtp_cache"
-    """Where tokenizers and memory-mapped token shards are kept, keyed by content hashes."""
+    """Where tokenizers and memory-mapped token shards are kept, keyed by hashes of the source
+    specification and the tokenizer."""
     seq_len: int = 128
     """Tokens of context per training window (each window holds seq_len + K tokens)."""
     batch_size: int = 16
@@ -165,7 +185,7 @@ class DataConfig:
     num_workers: int = 0
     """DataLoader worker processes."""
     seed: int = 1234
-    """Seed of the window order."""
+    """Seed of the window order (and of the choice of source in a mixture)."""
 
     def __post_init__(self) -> None:
         p = []
@@ -176,9 +196,48 @@ class DataConfig:
                 p.append(f"--data.{name} must be >= 1 (got {getattr(self, name)})")
         if self.num_workers < 0:
             p.append(f"--data.num_workers must be >= 0 (got {self.num_workers})")
-        if self.max_documents is not None and self.max_documents < 1:
-            p.append(f"--data.max_documents must be >= 1 (got {self.max_documents})")
+        for name in ("max_documents", "max_tokens", "tokenize_workers"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                p.append(f"--data.{name} must be >= 1 (got {getattr(self, name)})")
+        if self.sources is not None:
+            p += self._source_problems()
         _raise_if(p)
+
+    def _source_problems(self) -> list[str]:
+        if not isinstance(self.sources, list) or not self.sources:
+            return [f"--data.sources must be a non-empty list of {{source: ..., weight: ...}} "
+                    f"(got {self.sources!r})"]
+        p = []
+        if self.source != "stdlib":
+            p.append(f"--data.source ({self.source!r}) and --data.sources are both set; give "
+                     "the single source as the only entry of --data.sources instead")
+        # the type each key must have (bool is an int in Python, so it is excluded explicitly)
+        kinds = {"source": (str,), "weight": (int, float), "hf_config": (str, type(None)),
+                 "hf_split": (str,), "text_field": (str,), "streaming": (bool,),
+                 "max_documents": (int, type(None)), "max_tokens": (int, type(None))}
+        for i, entry in enumerate(self.sources):
+            flag = f"--data.sources[{i}]"
+            if not isinstance(entry, dict):
+                p.append(f"{flag} must be a mapping such as {{source: ..., weight: ...}} "
+                         f"(got {entry!r})")
+                continue
+            unknown = sorted(set(entry) - set(self.SOURCE_KEYS))
+            if unknown:
+                p.append(f"{flag} has unknown keys {unknown}; known: "
+                         f"{', '.join(self.SOURCE_KEYS)}")
+            if not entry.get("source"):
+                p.append(f"{flag}.source is required")
+            for key, value in entry.items():
+                if key not in kinds:
+                    continue
+                if not isinstance(value, kinds[key]) or (
+                        isinstance(value, bool) and bool not in kinds[key]):
+                    p.append(f"{flag}.{key} has the wrong type (got {value!r})")
+                elif key == "weight" and not 0 < value < float("inf"):
+                    p.append(f"{flag}.weight must be > 0 and finite (got {value})")
+                elif key in ("max_documents", "max_tokens") and value is not None and value < 1:
+                    p.append(f"{flag}.{key} must be >= 1 (got {value})")
+        return p
 
 
 @dataclass

@@ -1,18 +1,35 @@
-"""Corpus reading and splitting, tokenizer, token shards and their cache, windows, sampler."""
+"""Corpus reading and splitting, tokenizer, token shards (workers, crash safety, resume), their
+cache, windows, samplers, mixtures, and the tokenisation benchmark."""
 
+import hashlib
 import json
+import logging
+import multiprocessing as mp
+import os
+import signal
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from tokenizers import Tokenizer
 
+from mtp import data
 from mtp.checkpoint import EOT_TOKEN
 from mtp.config import ConfigError, DataConfig
 from mtp.data import (
+    MixtureSampler,
     MTPDataModule,
     ResumableSampler,
+    SourceSpec,
     TokenWindows,
+    build_shards,
     load_corpus,
+    load_shards,
+    source_specs,
+    tokenizer_sample,
     train_tokenizer,
     unigram_entropy,
 )
@@ -152,3 +169,276 @@ def test_datamodule_batches(tiny_corpus, tmp_path):
     batch = next(iter(dm.train_dataloader()))
     assert batch.shape == (4, 16 + 3) and batch.dtype == torch.long
     assert next(iter(dm.val_dataloader())).shape[1] == 19
+
+
+# -- streamed shards: workers, crash safety, resume, verification ------------------------------
+
+
+def _spec_and_tokenizer(corpus, **kw):
+    cfg = DataConfig(source=str(corpus), val_fraction=0.1, **kw)
+    spec = source_specs(cfg)[0]
+    return spec, train_tokenizer(tokenizer_sample([spec], 100_000), 300, 100_000)
+
+
+def _shard_bytes(root):
+    return {split: (root / f"{split}.bin").read_bytes() for split in ("train", "val")}
+
+
+def test_shards_are_identical_for_any_worker_count(tiny_corpus, tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "BATCH_DOCS", 3)  # many batches, so the order of results matters
+    spec, tok = _spec_and_tokenizer(tiny_corpus)
+    metas = [build_shards(spec, tok, tmp_path / f"w{w}", workers=w) for w in (1, 2)]
+    assert metas[0] == metas[1] and metas[0]["skipped_files"] == 1
+    assert _shard_bytes(tmp_path / "w1") == _shard_bytes(tmp_path / "w2")
+    # the shards hold exactly the documents `load_corpus` reads, in order
+    corpus = load_corpus(DataConfig(source=str(tiny_corpus), val_fraction=0.1))
+    eot = tok.token_to_id(EOT_TOKEN)
+    expected = [ids for text in corpus.train for ids in (*tok.encode(text).ids, eot)]
+    assert np.fromfile(tmp_path / "w1" / "train.bin", np.uint16).tolist() == expected
+    assert metas[0]["sha256"]["train"] == hashlib.sha256(_shard_bytes(tmp_path / "w1")[
+        "train"]).hexdigest()
+
+
+def _build_slowly_then_exit(spec, tok_json, root):
+    """Runs in a forked child: small batches and checkpoints, and a pause per document, so the
+    parent can kill it midway."""
+    data.BATCH_DOCS, data.CHECKPOINT_DOCS = 2, 4
+    write = data._ShardWriter.write
+
+    def slow_write(self, split, ids):
+        time.sleep(0.02)
+        write(self, split, ids)
+
+    data._ShardWriter.write = slow_write
+    build_shards(spec, Tokenizer.from_str(tok_json), root, workers=2)
+    os._exit(0)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork and /proc: Linux")
+def test_killed_tokenisation_resumes_to_identical_shards(tiny_corpus, tmp_path, caplog):
+    spec, tok = _spec_and_tokenizer(tiny_corpus)
+    reference = build_shards(spec, tok, tmp_path / "ref", workers=1)
+    root = tmp_path / "killed"
+    child = mp.get_context("fork").Process(target=_build_slowly_then_exit,
+                                           args=(spec, tok.to_str(), root))
+    child.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # until the child has written its second checkpoint
+        try:
+            if sum(json.loads((root / "progress.json").read_text())["documents"].values()) >= 8:
+                break
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.01)
+    workers = [int(p) for p in Path(f"/proc/{child.pid}/task/{child.pid}/children")
+               .read_text().split()]
+    os.kill(child.pid, signal.SIGKILL)
+    child.join()
+    assert child.exitcode == -signal.SIGKILL and len(workers) == 2
+    assert not (root / "meta.json").exists(), "the killed run must not look complete"
+    with pytest.raises(FileNotFoundError):
+        load_shards(root)
+    while any(Path(f"/proc/{w}").exists() and "Z" not in Path(f"/proc/{w}/stat").read_text()
+              .split()[2] for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.01)  # the workers die with their parent rather than block forever
+    assert time.monotonic() < deadline, "tokeniser workers outlived the killed process"
+
+    with caplog.at_level(logging.INFO, logger="mtp.data"):
+        resumed = build_shards(spec, tok, root, workers=2)
+    assert "resuming" in caplog.text
+    assert resumed == reference
+    assert _shard_bytes(root) == _shard_bytes(tmp_path / "ref")
+    assert not (root / "progress.json").exists()
+
+
+def test_bytes_written_after_the_last_checkpoint_are_dropped(tiny_corpus, tmp_path,
+                                                             monkeypatch):
+    spec, tok = _spec_and_tokenizer(tiny_corpus)
+    reference = build_shards(spec, tok, tmp_path / "ref", workers=2)
+    monkeypatch.setattr(data, "BATCH_DOCS", 2)
+    monkeypatch.setattr(data, "CHECKPOINT_DOCS", 4)
+    write, calls = data._ShardWriter.write, []
+
+    def crash_after_15(self, split, ids):
+        calls.append(split)
+        if len(calls) > 15:  # 3 documents after the checkpoint at 12
+            raise RuntimeError("simulated crash")
+        write(self, split, ids)
+
+    monkeypatch.setattr(data._ShardWriter, "write", crash_after_15)
+    root = tmp_path / "crashed"
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        build_shards(spec, tok, root, workers=2)
+    progress = json.loads((root / "progress.json").read_text())
+    assert sum(progress["documents"].values()) == 12
+    assert sum((root / f"{s}.bin.partial").stat().st_size for s in ("train", "val")) > \
+        sum(progress["bytes"].values()), "the crash must leave bytes beyond the checkpoint"
+    monkeypatch.setattr(data._ShardWriter, "write", write)
+    assert build_shards(spec, tok, root, workers=1) == reference
+    assert _shard_bytes(root) == _shard_bytes(tmp_path / "ref")
+
+
+def test_a_truncated_shard_is_an_error_naming_the_file(tiny_corpus, tmp_path):
+    dm = _dm(tiny_corpus, tmp_path)
+    (shard,) = (tmp_path / "cache" / "tokens").iterdir()
+    with open(shard / "train.bin", "r+b") as f:
+        f.truncate(f.seek(0, os.SEEK_END) - 2)
+    with pytest.raises(ValueError, match=r"train\.bin .*truncated or overwritten"):
+        _dm(tiny_corpus, tmp_path)
+    assert len(dm.train_tokens) > 0
+
+
+def test_max_tokens_bounds_the_training_split(tiny_corpus, tmp_path):
+    full = _dm(tiny_corpus, tmp_path)
+    dm = _dm(tiny_corpus, tmp_path, max_tokens=3000)
+    assert len(dm.train_tokens) == 3000 and dm.stats["stopped_at_max_tokens"]
+    assert np.array_equal(dm.train_tokens, full.train_tokens[:3000])
+    # validation holds the held-out documents met on the way: a prefix of the full split
+    assert 0 < len(dm.val_tokens) < len(full.val_tokens)
+    assert np.array_equal(dm.val_tokens, full.val_tokens[:len(dm.val_tokens)])
+    assert len(list((tmp_path / "cache" / "tokens").iterdir())) == 2, "max_tokens is keyed"
+
+
+def test_tiny_corpus_holds_out_its_last_document(tmp_path):
+    corpus = tmp_path / "two"
+    corpus.mkdir()
+    for name in ("a.py", "b.py"):  # with val_fraction 0.1, both land in train
+        (corpus / name).write_text(f"# {name}\n" + "x = [i * i for i in range(10)]\n" * 20)
+    spec, tok = _spec_and_tokenizer(corpus)
+    meta = build_shards(spec, tok, tmp_path / "shard", workers=1)
+    assert meta["documents"] == {"train": 1, "val": 1}
+    val = np.fromfile(tmp_path / "shard" / "val.bin", np.uint16).tolist()
+    assert tok.decode(val[:-1]) == (corpus / "b.py").read_text()
+
+
+# -- mixtures -----------------------------------------------------------------------------------
+
+
+def _take(sampler, n):
+    it = iter(sampler)
+    return [next(it) for _ in range(n)]
+
+
+def test_mixture_sampler_is_seeded_resumable_and_sharded():
+    sizes, weights = [7, 30], [2.0, 1.0]
+    full = _take(MixtureSampler(sizes, weights, seed=3), 9000)  # crosses two chunks
+    assert _take(MixtureSampler(sizes, weights, seed=3, start=4100), 200) == full[4100:4300]
+    assert _take(MixtureSampler(sizes, weights, seed=4), 50) != full[:50]
+    ranks = [_take(MixtureSampler(sizes, weights, seed=3, start=5, rank=r, world_size=2), 40)
+             for r in (0, 1)]
+    assert [x for pair in zip(*ranks) for x in pair] == full[5:85]
+    # each source's windows come in shuffled epochs: its first n draws are a permutation
+    first = [i for i in full if i < 7][:7]
+    assert sorted(first) == list(range(7))
+    second = [i - 7 for i in full if i >= 7][:30]
+    assert sorted(second) == list(range(30))
+
+
+def _jsonl(path, n, word):
+    path.write_text("".join(json.dumps({"content": f"{word} {i} " * 40}) + "\n"
+                            for i in range(n)))
+    return path
+
+
+def test_mixture_draws_windows_in_proportion_to_weights(tiny_corpus, tmp_path):
+    prose = _jsonl(tmp_path / "prose.jsonl", 80, "lorem ipsum dolor")
+    sources = [{"source": str(tiny_corpus), "weight": 1},
+               {"source": str(prose), "weight": 3, "text_field": "content"}]
+    dm = _dm("stdlib", tmp_path, sources=sources)
+    assert [m["weight"] for m in dm.stats["mixture"]] == [1, 3]
+    assert dm.stats["train_tokens"] == sum(len(t) for t in dm.train_shards)
+    assert len(dm.val_tokens) == sum(len(v) for v in dm.val_shards)
+    assert len(list((tmp_path / "cache" / "tokens").iterdir())) == 2, "one shard per source"
+    n0 = len(dm.train_parts[0])
+    draws = _take(dm.train_dataloader().sampler, 4000)
+    from_code = sum(i < n0 for i in draws)
+    # binomial(4000, 1/4): a 4-sigma bound
+    assert abs(from_code - 1000) <= 4 * (4000 * 0.25 * 0.75) ** 0.5, from_code
+    window = dm.train_set[draws[0]]
+    part, offset = (0, draws[0]) if draws[0] < n0 else (1, draws[0] - n0)
+    assert torch.equal(window, dm.train_parts[part][offset])
+    batch = next(iter(dm.train_dataloader()))
+    assert batch.shape == (4, 16 + 3)
+    assert next(iter(dm.val_dataloader())).shape[1] == 19
+
+
+def test_bad_mixtures_name_the_entry(tiny_corpus, tmp_path):
+    ok = {"source": str(tiny_corpus)}
+    with pytest.raises(ConfigError, match=r"--data\.sources\[1\]\.weight must be > 0"):
+        DataConfig(sources=[ok, {"source": "x", "weight": 0}])
+    with pytest.raises(ConfigError, match=r"--data\.sources\[0\] has unknown keys \['wieght'\]"):
+        DataConfig(sources=[{"source": "x", "wieght": 2}])
+    with pytest.raises(ConfigError, match=r"--data\.source .* and --data\.sources are both set"):
+        DataConfig(source=str(tiny_corpus), sources=[ok])
+    with pytest.raises(ConfigError, match=r"--data\.sources\[0\]\.max_tokens has the wrong type"):
+        DataConfig(sources=[{"source": "x", "max_tokens": "many"}])
+    missing = str(tmp_path / "nowhere" / "*.py")
+    cfg = DataConfig(sources=[ok, {"source": missing}], cache_dir=str(tmp_path))
+    with pytest.raises(FileNotFoundError, match=r"--data\.sources\[1\]\.source .*nowhere"):
+        MTPDataModule(cfg, vocab_size=300, n_future=2).prepare_data()
+
+
+def test_mixture_flag_parses_from_the_command_line_and_yaml(tmp_path):
+    from lightning.pytorch.cli import LightningArgumentParser
+
+    from mtp.cli import add_run_arguments, run_config
+
+    parser = LightningArgumentParser(allow_abbrev=False)
+    add_run_arguments(parser)
+    ns = parser.parse_args(["--data.sources", "[{source: a/*.py, weight: 2}, {source: b.jsonl, "
+                            "text_field: content, max_tokens: 1000}]", "--data.max_tokens", "5",
+                            "--data.tokenize_workers", "2"])
+    data_cfg = run_config(ns).data
+    assert data_cfg.sources[1] == {"source": "b.jsonl", "text_field": "content",
+                                   "max_tokens": 1000}
+    assert data_cfg.max_tokens == 5 and data_cfg.tokenize_workers == 2
+    specs = [SourceSpec(**{**s, "index": i}) for i, s in enumerate(data_cfg.sources)]
+    assert specs[0].flag("weight") == "--data.sources[0].weight"
+    yaml_ns = parser.parse_object({"data": {"sources": [{"source": "a", "weight": 0.5}]}})
+    assert run_config(yaml_ns).data.sources == [{"source": "a", "weight": 0.5}]
+
+
+def test_bench_tokenize_small_corpus(tmp_path, capsys):
+    import csv
+
+    from mtp.bench_tokenize import main as bench_main
+
+    out = tmp_path / "tokenize.csv"
+    assert bench_main(["--size-mb", "1", "--dir", str(tmp_path), "--workers", "1,2",
+                       "--vocab", "300", "--tokenizer-train-mb", "0.2", "--csv", str(out)]) == 0
+    assert "bytes_per_s" in capsys.readouterr().out
+    rows = list(csv.DictReader(out.open()))
+    assert [r["workers"] for r in rows] == ["1", "2"]
+    assert all(r["identical"] == "1" and int(r["tokens"]) > 0 for r in rows)
+    assert abs(int(rows[0]["bytes"]) - 2**20) < 100
+    assert not list(tmp_path.glob("shards-*")), "shards are removed after each run"
+
+
+def test_hub_sources_stream_rows_and_name_the_source_on_errors(tmp_path, monkeypatch):
+    import datasets
+
+    rows = datasets.Dataset.from_dict({"content": [f"def f{i}():\n    return {i}\n" * 8
+                                                   for i in range(40)]})
+    calls = []
+
+    def load_dataset(name, config=None, split=None, streaming=False):
+        calls.append((name, config, split, streaming))
+        if name == "org/missing":
+            raise FileNotFoundError("Dataset 'org/missing' doesn't exist on the Hub")
+        return rows.to_iterable_dataset() if streaming else rows
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    cfg = DataConfig(source="org/code", text_field="content", streaming=True, max_documents=30)
+    corpus = load_corpus(cfg)
+    assert len(corpus.train) + len(corpus.val) == 30
+    assert calls == [("org/code", None, "train", True)]
+    # resuming skips the consumed rows without tokenising them again
+    tail = list(data._Reader(source_specs(cfg)[0], record=10, docs_read=10))
+    assert [name for name, _ in tail] == [str(i) for i in range(10, 30)]
+    with pytest.raises(ValueError, match=r"has no field 'text' \(--data\.text_field\)"):
+        load_corpus(DataConfig(source="org/code"))
+    mixture = DataConfig(cache_dir=str(tmp_path), tokenizer_train_bytes=1000, sources=[
+        {"source": "org/code", "text_field": "content"}, {"source": "org/missing"}])
+    with pytest.raises(FileNotFoundError,
+                       match=r"--data\.sources\[1\]\.source 'org/missing' could not be loaded"):
+        MTPDataModule(mixture, vocab_size=300, n_future=2).prepare_data()
