@@ -1,7 +1,8 @@
 """The `mtp` command: `fit` (LightningCLI), `generate`, `eval`, `bench`.
 
-`mtp fit` takes four config groups, each a typed dataclass: `--model.*` (ModelConfig),
-`--data.*` (DataConfig), `--optim.*` (OptimConfig), `--loss.*` (LossConfig), plus Lightning's own
+`mtp fit` takes five config groups, each a typed dataclass: `--model.*` (ModelConfig),
+`--data.*` (DataConfig), `--optim.*` (OptimConfig), `--loss.*` (LossConfig), `--compile.*`
+(CompileConfig), plus Lightning's own
 `--trainer.*`; YAML files from `--config`; unknown keys are errors. With no arguments it trains the
 CPU default: a K = 4 model on the Python standard library, in minutes on two cores.
 """
@@ -18,7 +19,15 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, Th
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from mtp.checkpoint import EOT_TOKEN
-from mtp.config import ConfigError, DataConfig, LossConfig, ModelConfig, OptimConfig, RunConfig
+from mtp.config import (
+    CompileConfig,
+    ConfigError,
+    DataConfig,
+    LossConfig,
+    ModelConfig,
+    OptimConfig,
+    RunConfig,
+)
 from mtp.data import MTPDataModule, build_datamodule, unigram_entropy
 from mtp.module import MTPModule
 
@@ -41,19 +50,21 @@ TRAINER_DEFAULTS = {
 
 
 def add_run_arguments(parser: LightningArgumentParser) -> None:
-    """The `trainer`, `model`, `data`, `optim` and `loss` groups of `mtp fit`."""
+    """The `trainer`, `model`, `data`, `optim`, `loss` and `compile` groups of `mtp fit`."""
     parser.add_lightning_class_args(Trainer, "trainer")
     parser.set_defaults({f"trainer.{k}": v for k, v in TRAINER_DEFAULTS.items()})
     parser.add_class_arguments(ModelConfig, "model")
     parser.add_class_arguments(DataConfig, "data")
     parser.add_class_arguments(OptimConfig, "optim")
     parser.add_class_arguments(LossConfig, "loss")
+    parser.add_class_arguments(CompileConfig, "compile")
 
 
 def run_config(namespace) -> RunConfig:
     """The validated RunConfig of a parsed (not yet instantiated) `mtp fit` namespace."""
     return RunConfig(model=ModelConfig(**namespace.model), data=DataConfig(**namespace.data),
-                     optim=OptimConfig(**namespace.optim), loss=LossConfig(**namespace.loss))
+                     optim=OptimConfig(**namespace.optim), loss=LossConfig(**namespace.loss),
+                     compile=CompileConfig(**namespace.compile))
 
 
 def default_callbacks(n_future: int) -> list:
@@ -85,7 +96,8 @@ class MTPCLI(LightningCLI):
     def instantiate_classes(self) -> None:
         self.config_init = self.parser.instantiate_classes(self.config)
         c = self.config_init[self.subcommand] if self.subcommand else self.config_init
-        run = RunConfig(model=c.model, data=c.data, optim=c.optim, loss=c.loss)  # cross-checks
+        run = RunConfig(model=c.model, data=c.data, optim=c.optim, loss=c.loss,
+                        compile=c.compile)  # cross-checks
         self.run_config = run
         self.trainer_defaults = {**self.trainer_defaults,
                                  "callbacks": default_callbacks(run.model.n_future)}
@@ -93,7 +105,7 @@ class MTPCLI(LightningCLI):
             from mtp.parallel import FSDPStrategy
 
             c.trainer.strategy = FSDPStrategy()
-        self.model = MTPModule(run.model, run.optim, run.loss)
+        self.model = MTPModule(run.model, run.optim, run.loss, run.compile)
         self.datamodule = build_datamodule(run.data, vocab_size=run.model.vocab_size,
                                            n_future=run.model.n_future)
         self.trainer = self.instantiate_trainer()

@@ -291,6 +291,18 @@ class LossConfig:
 
 
 @dataclass
+class CompileConfig:
+    """`torch.compile` of the training step's blocks."""
+
+    enabled: bool = False
+    """Compile every trunk block and head with `torch.compile` (each once: all blocks of a kind
+    share one graph). Eager is the default: on a CPU compiling costs more than it saves in
+    short runs (see `mtp bench train --compile`)."""
+    mode: Literal["default", "reduce-overhead", "max-autotune"] = "default"
+    """`torch.compile` mode."""
+
+
+@dataclass
 class RunConfig:
     """Everything a training run needs besides the Trainer's own flags."""
 
@@ -298,6 +310,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
 
     def __post_init__(self) -> None:
         p = []

@@ -111,10 +111,8 @@ class _SequentialHeads(torch.autograd.Function):
             dh = None
             for i, head in enumerate(model.heads):
                 own = list(head.parameters())  # sharded under FSDP, like `params`
-                with _gathered_head(head) as (head_params, to_sharded):
-                    # the head's own forward, not its __call__: FSDP's hooks would free the
-                    # gathered parameters before their gradients are taken here
-                    z = model.norm(head.forward(h_leaf, *rope))  # (B, T, d)
+                with _gathered_head(head) as (run_head, head_params, to_sharded):
+                    z = model.norm(run_head(h_leaf, *rope))  # (B, T, d)
                     t = targets[i].flatten()
                     loss, dz = fwd_bwd(z.detach().flatten(0, 1), W.detach(), t, grads[W],
                                        scale=weights[i], ignore_index=IGNORE_INDEX)
@@ -167,17 +165,19 @@ def _in_any_head(p: torch.Tensor, model: MTPTransformer) -> bool:
 
 @contextlib.contextmanager
 def _gathered_head(head: torch.nn.Module):
-    """The head's parameters for computing, and a map of their gradients to the layout of the
-    head's own parameters.
+    """How to run the head, its parameters for computing, and a map of their gradients to the
+    layout of the head's own parameters.
 
-    A plain head: its parameters, gradients unchanged. An FSDP2 head (`mtp.parallel`): gathered
-    (all-gather) for the duration, and each full gradient reduce-scattered to its shard with the
-    averaging FSDP itself applies, in the sharded parameter's dtype; freed again on exit.
+    A plain head: itself (compiled if it was), its parameters, gradients unchanged. An FSDP2
+    head (`mtp.parallel`): gathered (all-gather) for the duration and run through its `forward`,
+    not its `__call__`, whose hooks would free the gathered parameters before their gradients
+    are taken; each full gradient is reduce-scattered to its shard with the averaging FSDP
+    itself applies, in the sharded parameter's dtype; freed again on exit.
     """
     from torch.distributed.fsdp import FSDPModule
 
     if not isinstance(head, FSDPModule):
-        yield list(head.parameters()), lambda gs: gs
+        yield head, list(head.parameters()), lambda gs: gs
         return
     from torch.distributed.tensor import DTensor, Partial
 
@@ -189,7 +189,7 @@ def _gathered_head(head: torch.nn.Module):
                 g.to(p.dtype), p.device_mesh, [Partial("avg")] * p.device_mesh.ndim,
             ).redistribute(p.device_mesh, p.placements) for p, g in zip(sharded, gs)]
 
-        yield list(head.parameters()), to_sharded
+        yield head.forward, list(head.parameters()), to_sharded
     finally:
         head.reshard()
 

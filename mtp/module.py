@@ -9,7 +9,7 @@ import lightning as L
 import torch
 
 from mtp.checkpoint import mtp_metadata
-from mtp.config import LossConfig, ModelConfig, OptimConfig
+from mtp.config import CompileConfig, LossConfig, ModelConfig, OptimConfig
 from mtp.loss import (
     MTPLossOutput,
     head_metrics,
@@ -23,14 +23,19 @@ from mtp.model import MTPTransformer, build_model
 class MTPModule(L.LightningModule):
     """Trains an `MTPTransformer` on windows of seq_len + K tokens."""
 
-    def __init__(self, model: ModelConfig, optim: OptimConfig, loss: LossConfig) -> None:
+    def __init__(self, model: ModelConfig, optim: OptimConfig, loss: LossConfig,
+                 compile: CompileConfig | None = None) -> None:
         super().__init__()
+        compile = compile or CompileConfig()
         # Plain dicts in the checkpoint: it then loads with `weights_only=True`.
         self.save_hyperparameters({"model": dataclasses.asdict(model),
                                    "optim": dataclasses.asdict(optim),
-                                   "loss": dataclasses.asdict(loss)})
+                                   "loss": dataclasses.asdict(loss),
+                                   "compile": dataclasses.asdict(compile)})
         self.model_cfg, self.optim_cfg, self.loss_cfg = model, optim, loss
         self.model: MTPTransformer = build_model(model)
+        if compile.enabled:
+            compile_blocks(self.model, compile.mode)
         self.flops_per_batch: float | None = None  # read by Lightning's ThroughputMonitor
 
     # -- the step --------------------------------------------------------------------------
@@ -125,6 +130,15 @@ class MTPModule(L.LightningModule):
                 f"{dm.tokenizer.get_vocab_size()}); resume with the same --data.source and "
                 "--data.tokenizer"
             )
+
+
+def compile_blocks(model: MTPTransformer, mode: str = "default") -> None:
+    """`torch.compile` every trunk block and head in place (`nn.Module.compile`, so parameter
+    names and checkpoints are those of the eager model). Under FSDP the blocks are compiled
+    inside their sharded units, as torchtitan does; the sequential pass calls sharded heads'
+    `forward` directly, so those run eager."""
+    for block in [*model.blocks, *model.heads]:
+        block.compile(mode=mode)
 
 
 def check_checkpoint_config(checkpoint: dict, model_cfg: ModelConfig) -> None:
