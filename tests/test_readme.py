@@ -8,7 +8,14 @@ import pytest
 import yaml
 
 from mtp.cli import main
-from mtp.config import DataConfig, LossConfig, ModelConfig, OptimConfig, RunConfig
+from mtp.config import (
+    CompileConfig,
+    DataConfig,
+    LossConfig,
+    ModelConfig,
+    OptimConfig,
+    RunConfig,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
@@ -57,7 +64,8 @@ def test_readme_fit_commands_parse(args, monkeypatch, capsys, tmp_path):
         return
     cfg = yaml.safe_load(out.out)
     RunConfig(model=ModelConfig(**cfg["model"]), data=DataConfig(**cfg["data"]),
-              optim=OptimConfig(**cfg["optim"]), loss=LossConfig(**cfg["loss"]))  # values
+              optim=OptimConfig(**cfg["optim"]), loss=LossConfig(**cfg["loss"]),
+              compile=CompileConfig(**cfg["compile"]))  # values
 
 
 @pytest.mark.parametrize("args", [c for c in _mtp_commands() if c and c[0] != "fit"],
