@@ -4,9 +4,11 @@ loss    peak memory and time of the loss path (trunk output -> heads -> loss -> 
         naive pass, the sequential pass with an unfused cross-entropy, and the sequential pass
         with the fused kernel, over K; on CUDA also the sequential pass with torch's own
         `linear_cross_entropy`, Liger-Kernel and cut-cross-entropy when installed.
-train   time of a whole training step (forward, backward, AdamW) at matched parameters over K.
+train   time of a whole training step (forward, backward, AdamW) at matched parameters over K,
+        beside the FLOP model's ratio (`MTPTransformer.flops_per_token`) and the FLOP/s achieved.
 kernel  the fused linear cross-entropy alone against the alternatives (`mtp.bench_kernels`).
 decode  the decoders over a prompt set (`mtp.decode_cli`).
+tokenize  tokenising a local corpus with 1 and 2 worker processes (`mtp.bench_tokenize`).
 
 Every table is printed and appended to a CSV stamped with hardware, versions and git revision.
 Each loss-path configuration runs in a fresh process, so its peak memory is its own.
@@ -159,8 +161,13 @@ def _ce_functions(device: torch.device) -> dict[str, Callable | None]:
     return methods
 
 
-def _loss_step(spec: dict, N: int, V: int) -> Callable[[], None]:
-    """One loss-path forward and backward (trunk output -> heads -> loss -> dL/dh)."""
+def _loss_step(spec: dict, N: int, V: int, mesh=None) -> Callable[[], None]:
+    """One loss-path forward and backward (trunk output -> heads -> loss -> dL/dh).
+
+    With a device mesh every head is its own FSDP2 unit (as `mtp.parallel.shard_model` makes
+    it); the shared norm and unembedding, which FSDP keeps gathered through the step as the root
+    unit, stay whole.
+    """
     device = torch.device(spec["device"])
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[spec["dtype"]]
     torch.manual_seed(0)
@@ -168,6 +175,11 @@ def _loss_step(spec: dict, N: int, V: int) -> Callable[[], None]:
     cfg = ModelConfig(vocab_size=V, d_model=d, n_layers=1, n_heads=max(1, d // 64),
                       n_future=K, max_seq_len=T)
     model = MTPTransformer(cfg).to(device)
+    if mesh is not None:
+        from torch.distributed.fsdp import fully_shard
+
+        for head in model.heads:
+            fully_shard(head, mesh=mesh)
     B = N // T
     h = torch.randn(B, T, d, device=device, requires_grad=True)  # the trunk output
     _, targets = mtp_inputs_targets(torch.randint(0, V, (B, T + K), device=device), K)
@@ -188,12 +200,52 @@ def _loss_step(spec: dict, N: int, V: int) -> Callable[[], None]:
 
 
 def _loss_worker(spec: dict) -> dict:
-    """One (method, K) configuration of `mtp bench loss`, in its own process."""
+    """One (method, K) configuration of `mtp bench loss`, in its own process (or, with
+    `spec["ranks"] > 1`, FSDP over that many processes; the worst rank is reported)."""
+    if spec.get("ranks", 1) > 1:
+        import tempfile
+
+        import torch.multiprocessing as mp
+
+        with tempfile.TemporaryDirectory() as tmp:
+            mp.start_processes(_loss_rank, args=(spec, _free_port(), tmp), nprocs=spec["ranks"],
+                               start_method="spawn")
+            per_rank = [json.loads((Path(tmp) / f"{r}.json").read_text())
+                        for r in range(spec["ranks"])]
+        return {k: max(r[k] for r in per_rank) for k in per_rank[0]}
+    return _measure_loss_step(spec)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _loss_rank(rank: int, spec: dict, port: int, out_dir: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    backend = "nccl" if spec["device"] == "cuda" else "gloo"
+    dist.init_process_group(backend, rank=rank, world_size=spec["ranks"])
+    if spec["device"] == "cuda":
+        torch.cuda.set_device(rank)
+    mesh = init_device_mesh(spec["device"], (spec["ranks"],))
+    result = _measure_loss_step({**spec, "device": f"{spec['device']}:{rank}"
+                                 if spec["device"] == "cuda" else "cpu"}, mesh)
+    (Path(out_dir) / f"{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def _measure_loss_step(spec: dict, mesh=None) -> dict:
     device = torch.device(spec["device"])
     # The same ops at a tiny size first: one-off library buffers and thread pools are then
     # allocated before the baseline is read, and are not counted as the step's memory.
-    _loss_step(spec, N=64, V=128)()
-    step = _loss_step(spec, spec["N"], spec["V"])
+    _loss_step(spec, N=64, V=128, mesh=mesh)()
+    step = _loss_step(spec, spec["N"], spec["V"], mesh)
     # NOTE: peak memory of the first full-size step. On CUDA from the allocator; on CPU from the
     # peak RSS (reset just before the step), with glibc told to serve every allocation above
     # 64 KiB by mmap (MALLOC_MMAP_THRESHOLD_, set by the parent), so a freed buffer leaves RSS at
@@ -229,14 +281,14 @@ def bench_loss(args: argparse.Namespace) -> list[dict]:
     for K in args.ks:
         for method in methods:
             row = {"method": method, "K": K, "N": args.n, "d": args.d, "V": args.vocab,
-                   "dtype": args.dtype}
+                   "dtype": args.dtype, "fsdp_ranks": args.fsdp}
             need = _naive_estimate_gib(K, args.n, args.vocab)
             if method == "naive" and need > args.max_naive_gib:
                 rows.append({**row, "status": f"skipped: needs ~{need:.0f} GiB"})
                 continue
             spec = {"method": method, "K": K, "N": args.n, "d": args.d, "V": args.vocab,
                     "T": args.seq_len, "device": args.device, "dtype": args.dtype,
-                    "warmup": args.warmup, "reps": args.reps}
+                    "warmup": args.warmup, "reps": args.reps, "ranks": args.fsdp}
             proc = subprocess.run([sys.executable, "-m", "mtp.bench", "_loss_worker",
                                    json.dumps(spec)], capture_output=True, text=True, env=env)
             if proc.returncode != 0:
@@ -262,41 +314,77 @@ def bench_loss(args: argparse.Namespace) -> list[dict]:
 
 
 def bench_train(args: argparse.Namespace) -> list[dict]:
-    """Whole training steps (forward, backward, clipping, AdamW) at matched parameters."""
+    """Whole training steps (forward, backward, clipping, AdamW) at matched parameters.
+
+    Beside the measured `time_vs_K1`, each row has the FLOP model's ratio `flops_ratio_vs_K1`
+    (`MTPTransformer.flops_per_token` of this K over K = 1's, same seq_len) and their quotient
+    `time_over_flops_ratio` (target <= 1.05: a K = 4 step costs no more than its FLOPs say),
+    `tflops` (model FLOP/s achieved: flops_per_token x tokens / step time), on a GPU of known
+    peak `mfu_pct`, and the step's peak memory (the CUDA allocator's, or the process's peak
+    resident set on a CPU). With `--compile both` every K runs eager and compiled
+    (`--compile.enabled` of `mtp fit`), and compiled rows carry `speedup_vs_eager`.
+    """
+    from mtp.bench_kernels import _peak_tflops
     from mtp.loss import naive_mtp_loss, sequential_mtp_loss
+    from mtp.module import compile_blocks
 
     device = torch.device(args.device)
     base = ModelConfig.from_name(args.model)
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
     rows = []
     for K in args.ks:
-        cfg = ModelConfig(**{**base.__dict__, "n_future": K, "matched_params": True,
-                             "n_layers": args.n_layers or base.n_layers,
-                             "max_seq_len": max(base.max_seq_len, args.seq_len)})
-        torch.manual_seed(0)
-        model = MTPTransformer(cfg).to(device)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        window = torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len + K),
-                               device=device)
-        inputs, targets = mtp_inputs_targets(window, K)
-        loss_fn = sequential_mtp_loss if args.loss == "sequential" else naive_mtp_loss
-        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+        for compiled in modes:
+            cfg = ModelConfig(**{**base.__dict__, "n_future": K, "matched_params": True,
+                                 "n_layers": args.n_layers or base.n_layers,
+                                 "max_seq_len": max(base.max_seq_len, args.seq_len)})
+            torch.manual_seed(0)
+            model = MTPTransformer(cfg).to(device)
+            if compiled:
+                compile_blocks(model)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            window = torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len + K),
+                                   device=device)
+            inputs, targets = mtp_inputs_targets(window, K)
+            loss_fn = sequential_mtp_loss if args.loss == "sequential" else naive_mtp_loss
+            dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
 
-        def step() -> None:
-            with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-                loss = loss_fn(model, inputs, targets).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            def step() -> None:
+                with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                    loss = loss_fn(model, inputs, targets).loss
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
 
-        ms = median_ms(step, device, warmup=args.warmup, reps=args.reps)
-        rows.append({"K": K, "model": args.model, "trunk_blocks": cfg.n_trunk_layers,
-                     "params_M": model.num_params() / 1e6, "tokens": args.batch_size * args.seq_len,
-                     "loss": args.loss, "dtype": args.dtype, "step_ms": ms})
-        print(format_table([rows[-1]]).splitlines()[-1], flush=True)
-    k1 = next((r for r in rows if r["K"] == 1), rows[0])
+            step()  # compiles (when compiled) and allocates the optimizer state
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            else:
+                _reset_peak_rss()
+            ms = median_ms(step, device, warmup=args.warmup, reps=args.reps)
+            peak_mib = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
+                        else _peak_rss()) / 2**20
+            tokens = args.batch_size * args.seq_len
+            flops = model.flops_per_token(args.seq_len)
+            tflops = flops * tokens / (ms * 1e-3) / 1e12
+            peak = _peak_tflops(dtype, device)
+            rows.append({"K": K, "compiled": compiled, "model": args.model,
+                         "trunk_blocks": cfg.n_trunk_layers,
+                         "params_M": model.num_params() / 1e6, "tokens": tokens,
+                         "loss": args.loss, "dtype": args.dtype, "step_ms": ms,
+                         "tokens_per_s": tokens / (ms * 1e-3), "peak_mib": peak_mib,
+                         "gflop_per_token": flops / 1e9, "tflops": tflops,
+                         "mfu_pct": 100 * tflops / peak if peak else None})
+            print(format_table([rows[-1]]).splitlines()[-1], flush=True)
     for r in rows:
+        same = [q for q in rows if q["compiled"] == r["compiled"]]
+        k1 = next((q for q in same if q["K"] == 1), same[0])
         r["time_vs_K1"] = r["step_ms"] / k1["step_ms"]
+        r["flops_ratio_vs_K1"] = r["gflop_per_token"] / k1["gflop_per_token"]
+        r["time_over_flops_ratio"] = r["time_vs_K1"] / r["flops_ratio_vs_K1"]
+        eager = next((q for q in rows if q["K"] == r["K"] and not q["compiled"]), None)
+        r["speedup_vs_eager"] = eager["step_ms"] / r["step_ms"] if r["compiled"] and eager \
+            else None
     return rows
 
 
@@ -321,6 +409,10 @@ def main(argv: list[str] | None = None) -> int:
         from mtp.decode_cli import bench_main
 
         return bench_main(argv[1:])
+    if argv[:1] == ["tokenize"]:
+        from mtp.bench_tokenize import main as tokenize_main
+
+        return tokenize_main(argv[1:])
     if argv[:1] == ["_loss_worker"]:  # internal: one configuration in a fresh process
         print(json.dumps(_loss_worker(json.loads(argv[1]))))
         return 0
@@ -339,7 +431,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--methods", default=None, help="subset, e.g. naive,sequential+fused")
     p.add_argument("--max-naive-gib", type=float, default=16.0,
                    help="skip naive configurations estimated to need more memory")
-    train_p = p = sub.add_parser("train", help="training-step time over K at matched parameters")
+    p.add_argument("--fsdp", type=int, default=1, metavar="RANKS",
+                   help="shard the heads with FSDP2 over this many processes (gloo on CPU, "
+                        "one GPU each on CUDA); N tokens per rank, the worst rank reported")
+    train_p = p = sub.add_parser("train", help="training-step time over K at matched parameters, "
+                                 "against the FLOP model's ratio")
     p.add_argument("--model", default="cpu", help="registry name (mtp.config.MODEL_REGISTRY)")
     p.add_argument("--n-layers", type=int, default=None,
                    help="blocks of the K = 1 trunk (default: the registry's); K - 1 move to heads")
@@ -347,6 +443,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--loss", choices=["sequential", "naive"], default="sequential")
+    p.add_argument("--compile", choices=["off", "on", "both"], default="off",
+                   help="torch.compile the blocks (`--compile.enabled`), or run both ways")
     for p in (loss_p, train_p):
         p.add_argument("--device", default="cuda" if cuda else "cpu")
         p.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16" if cuda else "fp32")
@@ -357,6 +455,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.what == "loss":
         if args.n % args.seq_len:
             parser.error(f"--n ({args.n}) must be a multiple of --seq-len ({args.seq_len})")
+        if args.fsdp < 1:
+            parser.error(f"--fsdp must be >= 1 (got {args.fsdp})")
         rows = bench_loss(args)
     else:
         rows = bench_train(args)

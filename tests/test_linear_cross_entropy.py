@@ -6,6 +6,7 @@ fp32 CUDA runs with the same float64 reference.
 """
 
 import importlib
+import math
 import os
 
 import pytest
@@ -414,3 +415,106 @@ def test_fwd_bwd_adds_scaled_weight_gradient_into_the_buffer(impl, dtype):
     assert rel_err(acc, expected_dw) <= (1e-10 if dtype == torch.float64 else 1e-5)
     with pytest.raises(ValueError, match="dweight_acc"):
         linear_cross_entropy_fwd_bwd(hidden.detach(), weight, targets, acc[:-1], impl=impl)
+
+
+# ----------------------------------------------------------------------------------------------
+# Dispatch: no silent fallback on CUDA
+# ----------------------------------------------------------------------------------------------
+
+
+def test_auto_on_cuda_without_triton_raises_naming_both_ways_out(monkeypatch):
+    monkeypatch.setattr(lce_module, "HAS_TRITON", False)
+    cuda = torch.device("cuda")
+    for impl in ("auto", "triton"):
+        with pytest.raises(ImportError, match=r"pip install triton.*impl='torch'"):
+            lce_module._resolve_impl(impl, cuda)
+    assert lce_module._resolve_impl("torch", cuda) == "torch"  # asked for explicitly: allowed
+    assert lce_module._resolve_impl("auto", torch.device("cpu")) == "torch"  # CPU is unchanged
+
+
+@pytest.mark.skipif(not lce_module.HAS_TRITON, reason="triton is not installed")
+def test_auto_on_cuda_is_triton():
+    assert lce_module._resolve_impl("auto", torch.device("cuda")) == "triton"
+
+
+# ----------------------------------------------------------------------------------------------
+# The torch path: no fp32 copy of the whole weight
+# ----------------------------------------------------------------------------------------------
+
+
+class _Fp32Conversions(TorchDispatchMode):
+    """Records the shape of every fp32 tensor a dtype conversion produces while active."""
+
+    CONVERSIONS = (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default)
+
+    def __init__(self):
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in self.CONVERSIONS and out.dtype == torch.float32:
+            src = args[1] if func is torch.ops.aten.copy_.default else args[0]
+            if src.dtype != torch.float32:
+                self.shapes.append(tuple(out.shape))
+        return out
+
+
+def _bf16_inputs(n=64, d=32, vocab=200):
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(n, d, generator=gen, dtype=torch.float64)
+    weight = torch.randn(vocab, d, generator=gen, dtype=torch.float64) * (3.0 / d**0.5)
+    targets = torch.randint(0, vocab, (n,), generator=gen)
+    targets[::7] = -100
+    return (hidden.bfloat16().requires_grad_(), weight.bfloat16().requires_grad_(), targets)
+
+
+@pytest.mark.parametrize("entry", ["linear_cross_entropy", "fwd_bwd"])
+def test_torch_path_never_upcasts_the_whole_weight(entry, monkeypatch):
+    hidden, weight, targets = _bf16_inputs()
+    vocab, d = weight.shape
+    # 48-row slices, 5 of them
+    monkeypatch.setattr(lce_module, "_TORCH_WEIGHT_SLICE_BYTES", 48 * d * 4)
+    with _Fp32Conversions() as probe:
+        if entry == "fwd_bwd":
+            acc = torch.zeros(vocab, d)  # the caller's fp32 dW buffer
+            lce_module.linear_cross_entropy_fwd_bwd(hidden.detach(), weight.detach(), targets, acc,
+                                             impl="torch", chunk_size=16)
+        else:
+            lce_module.linear_cross_entropy(hidden, weight, targets, impl="torch",
+                                     chunk_size=16).backward()
+    assert probe.shapes, "the probe saw no conversion at all"
+    assert (vocab, d) not in probe.shapes
+    # nothing larger than one weight slice or one token chunk of hidden is ever upcast
+    assert max(math.prod(shape) for shape in probe.shapes) <= 48 * d
+
+    with _Fp32Conversions() as probe:  # the probe catches a whole-weight upcast
+        weight.detach().float()
+    assert probe.shapes == [(vocab, d)]
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_torch_path_sliced_weight_matches_float64_reference(reduction, monkeypatch):
+    """Ragged weight slices (7 rows: 29 slices, the last of 4) and token chunks give the loss
+    and gradients of one fp32 computation on the bf16 values: loss error ~1e-7 relative; each
+    gradient element is rounded once to bf16 (unit roundoff 2^-9 ~ 2e-3), hence 4e-3 norm-wise,
+    the bound of the unsliced bf16 test above."""
+    hidden, weight, targets = _bf16_inputs()
+    monkeypatch.setattr(lce_module, "_TORCH_WEIGHT_SLICE_BYTES", 7 * weight.shape[1] * 4)
+    loss = lce_module.linear_cross_entropy(hidden, weight, targets, reduction=reduction,
+                                           impl="torch", chunk_size=24)
+    grad_out = torch.randn(loss.shape, generator=torch.Generator().manual_seed(1))
+    (loss * grad_out).sum().backward()
+
+    ref_h = hidden.detach().double().requires_grad_()
+    ref_w = weight.detach().double().requires_grad_()
+    ref = F.cross_entropy(ref_h @ ref_w.T, targets, ignore_index=-100, reduction=reduction)
+    (ref * grad_out.double()).sum().backward()
+
+    def rel(a, b):
+        return ((a.double() - b).norm() / b.norm()).item()
+
+    assert loss.dtype == torch.float32 and weight.grad.dtype == torch.bfloat16
+    assert rel(loss.detach(), ref.detach()) <= 1e-5
+    assert rel(hidden.grad, ref_h.grad) <= 4e-3
+    assert rel(weight.grad, ref_w.grad) <= 4e-3
