@@ -121,6 +121,43 @@ def median_ms(fn: Callable[[], object], device: torch.device, warmup: int, reps:
     return statistics.median(times)
 
 
+def _train_step(model, opt, loss_fn, inputs, targets, dtype) -> Callable[[], None]:
+    """One training step (forward, backward, clipping, AdamW) of `model` on one batch."""
+    device_type = inputs.device.type
+
+    def step() -> None:
+        with torch.autocast(device_type, dtype=dtype, enabled=dtype != torch.float32):
+            loss = loss_fn(model, inputs, targets).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def interleaved_median_ms(fns: list[Callable[[], object]], device: torch.device, warmup: int,
+                          reps: int) -> list[float]:
+    """Median wall time of each of `fns` in milliseconds, the calls alternating between them."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(reps):
+        for fn, t in zip(fns, times):
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            t.append((time.perf_counter() - start) * 1e3)
+    return [statistics.median(t) for t in times]
+
+
+def _memory_in_use(device: torch.device) -> int:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else _current_rss()
+
+
 # -- mtp bench loss ---------------------------------------------------------------------------
 
 
@@ -331,13 +368,14 @@ def bench_train(args: argparse.Namespace) -> list[dict]:
     device = torch.device(args.device)
     base = ModelConfig.from_name(args.model)
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
-    rows = []
+    rows, steps = [], []
     for K in args.ks:
         for compiled in modes:
             cfg = ModelConfig(**{**base.__dict__, "n_future": K, "matched_params": True,
                                  "n_layers": args.n_layers or base.n_layers,
                                  "max_seq_len": max(base.max_seq_len, args.seq_len)})
             torch.manual_seed(0)
+            before = _memory_in_use(device)
             model = MTPTransformer(cfg).to(device)
             if compiled:
                 compile_blocks(model)
@@ -347,35 +385,33 @@ def bench_train(args: argparse.Namespace) -> list[dict]:
             inputs, targets = mtp_inputs_targets(window, K)
             loss_fn = sequential_mtp_loss if args.loss == "sequential" else naive_mtp_loss
             dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-
-            def step() -> None:
-                with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-                    loss = loss_fn(model, inputs, targets).loss
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-
+            step = _train_step(model, opt, loss_fn, inputs, targets, dtype)
             step()  # compiles (when compiled) and allocates the optimizer state
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             else:
                 _reset_peak_rss()
-            ms = median_ms(step, device, warmup=args.warmup, reps=args.reps)
-            peak_mib = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
-                        else _peak_rss()) / 2**20
+            step()
+            # the models built before this one stay alive (for the interleaved timing below)
+            # and hold their memory steadily: the peak above `before` is this model's own
+            peak_mib = ((torch.cuda.max_memory_allocated(device) if device.type == "cuda"
+                         else _peak_rss()) - before) / 2**20
+            steps.append(step)
             tokens = args.batch_size * args.seq_len
             flops = model.flops_per_token(args.seq_len)
-            tflops = flops * tokens / (ms * 1e-3) / 1e12
-            peak = _peak_tflops(dtype, device)
             rows.append({"K": K, "compiled": compiled, "model": args.model,
                          "trunk_blocks": cfg.n_trunk_layers,
                          "params_M": model.num_params() / 1e6, "tokens": tokens,
-                         "loss": args.loss, "dtype": args.dtype, "step_ms": ms,
-                         "tokens_per_s": tokens / (ms * 1e-3), "peak_mib": peak_mib,
-                         "gflop_per_token": flops / 1e9, "tflops": tflops,
-                         "mfu_pct": 100 * tflops / peak if peak else None})
-            print(format_table([rows[-1]]).splitlines()[-1], flush=True)
+                         "loss": args.loss, "dtype": args.dtype, "peak_mib": peak_mib,
+                         "gflop_per_token": flops / 1e9})
+    # NOTE: the configurations' steps alternate, so that a slow spell of a shared machine falls
+    # on all of them alike; back-to-back runs of K = 1 then K = 4 moved their ratio by +-10%.
+    times = interleaved_median_ms(steps, device, warmup=args.warmup, reps=args.reps)
+    for r, ms in zip(rows, times):
+        tflops = r["gflop_per_token"] * 1e9 * r["tokens"] / (ms * 1e-3) / 1e12
+        peak = _peak_tflops({"fp32": torch.float32, "bf16": torch.bfloat16}[r["dtype"]], device)
+        r.update(step_ms=ms, tokens_per_s=r["tokens"] / (ms * 1e-3), tflops=tflops,
+                 mfu_pct=100 * tflops / peak if peak else None)
     for r in rows:
         same = [q for q in rows if q["compiled"] == r["compiled"]]
         k1 = next((q for q in same if q["K"] == 1), same[0])
