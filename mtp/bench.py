@@ -154,10 +154,6 @@ def interleaved_median_ms(fns: list[Callable[[], object]], device: torch.device,
     return [statistics.median(t) for t in times]
 
 
-def _memory_in_use(device: torch.device) -> int:
-    return torch.cuda.memory_allocated(device) if device.type == "cuda" else _current_rss()
-
-
 # -- mtp bench loss ---------------------------------------------------------------------------
 
 
@@ -357,9 +353,9 @@ def bench_train(args: argparse.Namespace) -> list[dict]:
     (`MTPTransformer.flops_per_token` of this K over K = 1's, same seq_len) and their quotient
     `time_over_flops_ratio` (target <= 1.05: a K = 4 step costs no more than its FLOPs say),
     `tflops` (model FLOP/s achieved: flops_per_token x tokens / step time), on a GPU of known
-    peak `mfu_pct`, and the step's peak memory (the CUDA allocator's, or the process's peak
-    resident set on a CPU). With `--compile both` every K runs eager and compiled
-    (`--compile.enabled` of `mtp fit`), and compiled rows carry `speedup_vs_eager`.
+    peak `mfu_pct`, and on CUDA the step's peak memory (the allocator's). With `--compile both`
+    every K runs eager and compiled (`--compile.enabled` of `mtp fit`), and compiled rows carry
+    `speedup_vs_eager`.
     """
     from mtp.bench_kernels import _peak_tflops
     from mtp.loss import naive_mtp_loss, sequential_mtp_loss
@@ -375,7 +371,7 @@ def bench_train(args: argparse.Namespace) -> list[dict]:
                                  "n_layers": args.n_layers or base.n_layers,
                                  "max_seq_len": max(base.max_seq_len, args.seq_len)})
             torch.manual_seed(0)
-            before = _memory_in_use(device)
+            before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
             model = MTPTransformer(cfg).to(device)
             if compiled:
                 compile_blocks(model)
@@ -387,15 +383,16 @@ def bench_train(args: argparse.Namespace) -> list[dict]:
             dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
             step = _train_step(model, opt, loss_fn, inputs, targets, dtype)
             step()  # compiles (when compiled) and allocates the optimizer state
+            peak_mib = None
             if device.type == "cuda":
+                # the models built before this one stay alive (for the interleaved timing
+                # below) and hold their memory steadily: the peak above `before` is this one's
                 torch.cuda.reset_peak_memory_stats(device)
-            else:
-                _reset_peak_rss()
-            step()
-            # the models built before this one stay alive (for the interleaved timing below)
-            # and hold their memory steadily: the peak above `before` is this model's own
-            peak_mib = ((torch.cuda.max_memory_allocated(device) if device.type == "cuda"
-                         else _peak_rss()) - before) / 2**20
+                step()
+                peak_mib = (torch.cuda.max_memory_allocated(device) - before) / 2**20
+            # NOTE: no peak on a CPU: the process's resident set reuses what earlier
+            # configurations freed, so it reads 20-320 MiB for the same model (`mtp bench loss`
+            # measures CPU peaks in a fresh process per configuration instead).
             steps.append(step)
             tokens = args.batch_size * args.seq_len
             flops = model.flops_per_token(args.seq_len)
