@@ -87,7 +87,6 @@ class MTPModule(L.LightningModule):
 
         if isinstance(self.model.embed.weight, DTensor):  # sharded already (a second fit)
             return
-
         precision = str(self.trainer.precision)
         param_dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
         shard_model(self.model, self.device_mesh["data_parallel"], param_dtype=param_dtype)
