@@ -424,7 +424,8 @@ def bench_train(args: argparse.Namespace) -> list[dict]:
 # -- entry point ------------------------------------------------------------------------------
 
 
-def _ints(text: str) -> list[int]:
+def comma_ints(text: str) -> list[int]:
+    """An argparse type: comma-separated integers, e.g. `1,2,4`."""
     try:
         return [int(v) for v in text.split(",")]
     except ValueError:
@@ -460,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--d", type=int, default=4096 if cuda else 512, help="width d")
     p.add_argument("--vocab", type=int, default=128256 if cuda else 32768, help="vocabulary V")
     p.add_argument("--seq-len", type=int, default=2048, help="T; the batch is N / T sequences")
-    p.add_argument("--ks", type=_ints, default=[1, 2, 4, 8], help="values of K, e.g. 1,2,4,8")
+    p.add_argument("--ks", type=comma_ints, default=[1, 2, 4, 8], help="values of K, e.g. 1,2,4,8")
     p.add_argument("--methods", default=None, help="subset, e.g. naive,sequential+fused")
     p.add_argument("--max-naive-gib", type=float, default=16.0,
                    help="skip naive configurations estimated to need more memory")
@@ -472,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="cpu", help="registry name (mtp.config.MODEL_REGISTRY)")
     p.add_argument("--n-layers", type=int, default=None,
                    help="blocks of the K = 1 trunk (default: the registry's); K - 1 move to heads")
-    p.add_argument("--ks", type=_ints, default=[1, 2, 4])
+    p.add_argument("--ks", type=comma_ints, default=[1, 2, 4])
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--loss", choices=["sequential", "naive"], default="sequential")

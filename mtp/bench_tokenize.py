@@ -147,15 +147,10 @@ def _run_in_subprocess(spec: dict) -> dict:
 # -- entry point --------------------------------------------------------------------------------
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers (got {text!r})")
-
-
 def main(argv: list[str] | None = None) -> int:
     """`mtp bench tokenize [--size-mb N] [--workers 1,2] ...`."""
+    from mtp.bench import comma_ints, environment, format_table, write_csv  # imports this module
+
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["_run"]:  # internal: one tokenisation in a fresh process
         print(json.dumps(_run(json.loads(argv[1]))))
@@ -166,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="corpus size in MiB (default 1024)")
     parser.add_argument("--dir", default=".mtp_cache/bench_tokenize",
                         help="where the corpus, tokenizer and (while a run lasts) shards live")
-    parser.add_argument("--workers", type=_ints, default=[1, 2], help="worker counts, e.g. 1,2")
+    parser.add_argument("--workers", type=comma_ints, default=[1, 2],
+                        help="worker counts, e.g. 1,2")
     parser.add_argument("--vocab", type=int, default=4096, help="vocabulary of the trained BPE")
     parser.add_argument("--tokenizer", default=None, help="a tokenizer.json instead of training")
     parser.add_argument("--tokenizer-train-mb", type=float, default=8,
@@ -176,7 +172,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.size_mb <= 0:
         parser.error(f"--size-mb must be > 0 (got {args.size_mb})")
-    from mtp.bench import environment, format_table, write_csv  # mtp.bench imports this module
 
     size = int(args.size_mb * MIB)
     corpus = Path(args.dir).absolute() / f"corpus-{args.size_mb:g}MiB"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU checks, for a session lent a CUDA machine (H100/H200): the kernel and the training side.
+# GPU checks on a CUDA machine (H100/H200): the kernel and the training side.
 #
 #   1. the @pytest.mark.gpu kernel tests (bf16 and fp32 against a float64 reference);
 #   2. the kernel benchmark in bf16 at (N, d, V) = (16384, 4096, 128256) and (8192, 2048, 32000)
