@@ -7,6 +7,7 @@ import math
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 
 from mtp.checkpoint import mtp_metadata
 from mtp.config import CompileConfig, LossConfig, ModelConfig, OptimConfig
@@ -89,7 +90,10 @@ class MTPModule(L.LightningModule):
             return
         precision = str(self.trainer.precision)
         param_dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
-        shard_model(self.model, self.device_mesh["data_parallel"], param_dtype=param_dtype)
+        mesh = self.device_mesh["data_parallel"]
+        shard_model(self.model, mesh, param_dtype=param_dtype)
+        rank_zero_info(f"FSDP2: {len(self.model.blocks)} trunk blocks and {len(self.model.heads)} "
+                       f"heads sharded over {mesh.size()} ranks")
 
     # -- optimisation ----------------------------------------------------------------------
     def configure_optimizers(self):

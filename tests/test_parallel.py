@@ -122,6 +122,10 @@ def test_mtp_fit_fsdp_matches_ddp(fsdp_and_ddp_runs):
     rel = (dist_sq / sum(w.pow(2).sum() for w in b.values())).sqrt()
     assert rel <= 1e-4, f"FSDP and DDP weights differ by a relative L2 of {rel:.2e}"
     assert "head 4: loss" in runs["fsdp"].stdout  # the fit report, from the gathered model
+    # the fsdp run did shard (and the ddp one did not), so the equality above compares the two
+    fsdp_log = runs["fsdp"].stdout + runs["fsdp"].stderr
+    assert "FSDP2: 4 trunk blocks and 4 heads sharded over 2 ranks" in fsdp_log
+    assert "FSDP2:" not in runs["ddp"].stdout + runs["ddp"].stderr
 
 
 def test_fsdp_run_resumes_and_refuses_another_config(fsdp_and_ddp_runs):
