@@ -150,7 +150,7 @@ def _run(args: argparse.Namespace) -> int:
         completions = load_completions(args.completions, benchmark, all_ids=all_ids)
         summary = evaluate_completions(benchmark, completions=completions, **common)
     else:
-        from mtp.decoding import load_completer  # lazy: pulls in torch and the model
+        from mtp.eval.completer import load_completer  # lazy: pulls in torch and the model
 
         decoder = args.decoder or ("greedy" if args.temperature == 0 else "sample")
         settings["decoder"] = decoder

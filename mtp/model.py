@@ -10,8 +10,9 @@ H attention heads, Hkv key/value heads, hd head width.
 
 from __future__ import annotations
 
+import copy
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import torch
@@ -23,7 +24,9 @@ from mtp.config import MODEL_REGISTRY, ModelConfig
 
 T_out = TypeVar("T_out")
 
-__all__ = ["KVCache", "MODEL_REGISTRY", "MTPTransformer", "ModelConfig", "build_model"]
+__all__ = [
+    "KVCache", "MODEL_REGISTRY", "MTPTransformer", "ModelConfig", "build_model", "stack_blocks",
+]
 
 
 class RMSNorm(nn.Module):
@@ -117,23 +120,25 @@ class Attention(nn.Module):
         slots: torch.Tensor | None = None,
         mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        q, k, v = rearrange(self.qkv(x), "b t (h hd) -> b h t hd", hd=self.hd).split(
-            [self.n_heads, self.n_kv, self.n_kv], dim=1
-        )  # (B, H, T, hd), (B, Hkv, T, hd) x 2
+        # Leading dimensions "..." are (B,) for one block and (J, B) for J stacked blocks
+        # (`stack_blocks`), which run the same code with one weight per block.
+        q, k, v = rearrange(self.qkv(x), "... t (h hd) -> ... h t hd", hd=self.hd).split(
+            [self.n_heads, self.n_kv, self.n_kv], dim=-3
+        )  # (..., H, T, hd), (..., Hkv, T, hd) x 2
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv is not None:
-            k_cache, v_cache = kv  # (B, Hkv, S, hd)
-            idx = slots[:, None, :, None].expand(-1, self.n_kv, -1, self.hd)
-            k_cache.scatter_(2, idx, k.to(k_cache.dtype))
-            v_cache.scatter_(2, idx, v.to(v_cache.dtype))
+            k_cache, v_cache = kv  # (..., Hkv, S, hd)
+            idx = slots[:, None, :, None].expand(k.shape)
+            k_cache.scatter_(-2, idx, k.to(k_cache.dtype))
+            v_cache.scatter_(-2, idx, v.to(v_cache.dtype))
             # Attend over the first S slots only, S = the mask's width: the caller knows how far
             # the cache is filled, and decode cost then grows with the text, not with max_len.
             s = mask.shape[-1]
-            k, v = k_cache[:, :, :s].to(q.dtype), v_cache[:, :, :s].to(q.dtype)
+            k, v = k_cache[..., :s, :].to(q.dtype), v_cache[..., :s, :].to(q.dtype)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.n_kv != self.n_heads
-        )  # (B, H, T, hd)
-        return self.proj(rearrange(out, "b h t hd -> b t (h hd)"))
+        )  # (..., H, T, hd)
+        return self.proj(rearrange(out, "... h t hd -> ... t (h hd)"))
 
 
 class SwiGLU(nn.Module):
@@ -171,6 +176,47 @@ class LinearHead(nn.Module):
 
     def forward(self, x, cos, sin, kv=None, slots=None, mask=None) -> torch.Tensor:
         return self.proj(x)
+
+
+class StackedLinear(nn.Module):
+    """J bias-free linear maps applied at once: (J, ..., in) -> (J, ..., out) in one matmul."""
+
+    def __init__(self, weights: Sequence[torch.Tensor]) -> None:
+        super().__init__()
+        self.register_buffer("weight_t", torch.stack([w.detach().T for w in weights]),
+                             persistent=False)  # (J, in, out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        j, d_in, d_out = self.weight_t.shape
+        return torch.bmm(x.reshape(j, -1, d_in), self.weight_t).view(*x.shape[:-1], d_out)
+
+
+def stack_blocks(blocks: Sequence[nn.Module]) -> nn.Module:
+    """J modules of one kind (heads: `Block` or `LinearHead`) as one module of the same class.
+
+    The result runs the class's own forward on inputs with a leading axis of J, (J, B, T, d) ->
+    (J, B, T, d), and with a cache of J layers (J, B, Hkv, S, hd): each linear map becomes a
+    `StackedLinear` and each norm gain a (J, 1, 1, d) tensor, so every op runs once for all J
+    blocks. A snapshot for inference: later changes to the blocks' weights are not seen.
+    """
+    kinds = {type(b) for b in blocks}
+    if len(kinds) != 1:
+        names = sorted(k.__name__ for k in kinds)
+        raise ValueError(f"stack_blocks needs blocks of one class (got {names})")
+    stacked = copy.deepcopy(blocks[0]).requires_grad_(False)
+    for name, module in blocks[0].named_modules():
+        parts = [b.get_submodule(name) for b in blocks]
+        if isinstance(module, nn.Linear):
+            if module.bias is not None:
+                raise ValueError(f"stack_blocks: {name} has a bias")
+            parent, _, leaf = name.rpartition(".")
+            setattr(stacked.get_submodule(parent), leaf,
+                    StackedLinear([p.weight for p in parts]))
+        elif isinstance(module, RMSNorm):
+            norm = stacked.get_submodule(name)
+            del norm.weight
+            norm.weight = torch.stack([p.weight.detach() for p in parts])[:, None, None, :]
+    return stacked
 
 
 class MTPTransformer(nn.Module):

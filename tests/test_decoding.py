@@ -15,9 +15,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mtp import decoding
 from mtp.config import ModelConfig
-from mtp.decoding import Tree, generate, head_accuracy, probs_from_logits
+from mtp.decoding import (
+    Tree,
+    acceptance,
+    engine,
+    generate,
+    head_accuracy,
+    heads,
+    probs_from_logits,
+    sampling,
+)
+from mtp.decoding import tree as tree_mod
 from mtp.model import KVCache, MTPTransformer
 
 torch.set_num_threads(1)
@@ -199,13 +208,16 @@ def test_cache_holds_exactly_the_committed_tokens(early_model, monkeypatch, deco
     holds the keys and values a fresh forward over the committed tokens computes: rejected
     drafts and tree branches left nothing behind, and the accepted path sits in order."""
     caches = []
-    new_cache = decoding._new_cache
+    new_cache = engine.new_cache
 
     def spy(model, batch, max_len):
         caches.append((model, new_cache(model, batch, max_len)))
         return caches[-1][1]
 
-    monkeypatch.setattr(decoding, "_new_cache", spy)
+    # Every cache of a call, the target's and the draft model's, comes from engine.new_cache.
+    monkeypatch.setattr(engine, "new_cache", spy)
+    monkeypatch.setattr("mtp.decoding.new_cache", spy)
+    monkeypatch.setattr("mtp.decoding.drafters.new_cache", spy)
     if decoder == "draft":
         kwargs = {"draft_model": _random_model(5, n_future=1), "gamma": 3}
     prompt = _cyclic_prompts(early_model, 2, seed=15)[1]
@@ -221,8 +233,8 @@ def test_cache_holds_exactly_the_committed_tokens(early_model, monkeypatch, deco
         ref = KVCache(model.cfg, 1, n)
         x = torch.tensor([seq[:n]])
         with torch.no_grad():
-            model(x, cache=ref, slots=torch.arange(n)[None], mask=decoding._mask(
-                torch.zeros(1, dtype=torch.long), decoding._causal(n, torch.device("cpu"))))
+            model(x, cache=ref, slots=torch.arange(n)[None],
+                  mask=torch.ones(1, 1, n, n, dtype=torch.bool).tril())
         # The draft decoder runs the target's trunk and head 1 only.
         layers = model.cfg.n_trunk_layers + (1 if decoder == "draft" else model.cfg.n_future)
         for got, want in ((cache.k, ref.k), (cache.v, ref.v)):
@@ -270,7 +282,7 @@ def test_tree_shapes() -> None:
     assert tree.pruned(1).paths == ((), (0,), (1,), (2,))
     with pytest.raises(ValueError, match="no parent"):
         Tree(((), (0, 1)))
-    tt = decoding._TreeTensors.build(Tree.from_paths([(0,), (1,), (0, 0)]), torch.device("cpu"))
+    tt = tree_mod.TreeTensors.build(Tree.from_paths([(0,), (1,), (0, 0)]), torch.device("cpu"))
     assert tt.ancestors.tolist() == [
         [True, False, False, False],
         [True, True, False, False],
@@ -342,14 +354,14 @@ def test_chi_square_catches_a_missing_residual(tiny, monkeypatch) -> None:
     """Negative control: resampling from p instead of norm(max(0, p - q)) after a rejection
     biases the output, and the test above would see it."""
     model, prompt, joint = tiny
-    exact = decoding._accept_linear
+    exact = acceptance.accept_chain
 
-    def biased(logits, drafts, q, sampling, generator):
-        a, _ = exact(logits, drafts, q, sampling, generator)
-        p = sampling.probs(logits)[torch.arange(len(a)), a]
-        return a, decoding._multinomial(p, generator)
+    def biased(logits, drafts, q, rule, generator):
+        a, _ = exact(logits, drafts, q, rule, generator)
+        p = rule.probs(logits)[torch.arange(len(a)), a]
+        return a, sampling.multinomial(p, generator)
 
-    monkeypatch.setattr(decoding, "_accept_linear", biased)
+    monkeypatch.setattr(engine, "accept_chain", biased)
     out, _ = generate(model, [prompt] * N_SAMPLES, N_NEW, decoder="self-spec",
                       generator=torch.Generator().manual_seed(13), **SAMPLING)
     counts = torch.bincount(_cell(out), minlength=V_TINY**N_NEW)
@@ -440,13 +452,12 @@ def test_batched_draft_heads_match_the_model(overrides) -> None:
     the same keys and values into their cache layers."""
     model = _random_model(4, **overrides)
     tokens = torch.tensor(_prompts(3, model.cfg.vocab_size, seed=14, lo=9, hi=10))  # (3, 9)
-    causal = decoding._causal(9, torch.device("cpu"))
-    mask = decoding._mask(torch.zeros(3, dtype=torch.long), causal)
+    mask = engine.chain_mask(torch.zeros(3, dtype=torch.long), 9)
     slots = torch.arange(9).expand(3, -1)
     ours, theirs = KVCache(model.cfg, 3, 16), KVCache(model.cfg, 3, 16)
     with torch.no_grad():
         h, rope = model.trunk(tokens, positions=slots, cache=ours, slots=slots, mask=mask)
-        batched = decoding._DraftHeads(model, 4)(h, rope, ours, slots, mask)  # (3, B, T, d)
+        batched = heads.draft_heads(model, 4)(h, rope, ours, slots, mask)  # (3, B, T, d)
         for i in range(1, 4):
             ref = model.head_hidden(i, h, rope, cache=theirs, slots=slots, mask=mask)
             torch.testing.assert_close(batched[i - 1], ref, atol=1e-5, rtol=1e-5)
@@ -455,3 +466,76 @@ def test_batched_draft_heads_match_the_model(overrides) -> None:
     torch.testing.assert_close(ours.v[first:], theirs.v[first:], atol=1e-5, rtol=1e-5)
     if model.cfg.head_type == "block":
         assert ours.k[first:].abs().sum() > 0
+
+
+# --------------------------------------------------------------------------------------------
+# The loop's measurements: oracle drafts, adaptive speculation, draft markers
+
+
+def test_oracle_drafts_are_all_accepted(cyclic_model) -> None:
+    """Drafting the tokens greedy emits: every draft is accepted, the output is greedy's."""
+    prompts = _cyclic_prompts(cyclic_model, 6, seed=20)
+    ref, _ = generate(cyclic_model, prompts, 30)
+    out, stats = generate(cyclic_model, prompts, 30, decoder="oracle", reference=ref, gamma=3)
+    assert out == ref
+    assert stats.acceptance == [1.0, 1.0, 1.0]
+    # Per row: the prefill's token, 7 rounds of 3 drafts + 1, and a last round with no room
+    # for drafts.
+    assert stats.accepted == [0, 6 + 6, 0, 0, 6 * 7]
+
+
+def test_drafted_tokens_are_reported(cyclic_model) -> None:
+    """on_tokens says how many of each round's tokens came from accepted drafts: all of a round's
+    tokens but the verifier's last one, unless max_new_tokens cut the row's last round short."""
+    prompts = _cyclic_prompts(cyclic_model, 4, seed=21)
+    seen = []
+    out, stats = generate(cyclic_model, prompts, 24, decoder="tree",
+                          on_tokens=lambda row, toks, drafted: seen.append((row, toks, drafted)))
+    assert [sum(len(t) for r, t, _ in seen if r == i) for i in range(4)] == [24] * 4
+    last = {row: i for i, (row, _, _) in enumerate(seen)}
+    assert all(d == len(t) - 1 or (i == last[r] and d == len(t))
+               for i, (r, t, d) in enumerate(seen))
+    assert sum(d for *_, d in seen) >= stats.tokens - stats.row_forwards
+    assert stats.tokens_per_forward > 1.5
+
+
+@pytest.mark.parametrize(
+    ("decoder", "kwargs"),
+    [("self-spec", {}), ("tree", {}), ("draft", {"gamma": 3})],
+)
+def test_adaptive_speculation_keeps_greedy_output(cyclic_model, early_model, decoder, kwargs):
+    for model in (cyclic_model, early_model):
+        prompts = _cyclic_prompts(model, 8, seed=22)
+        if decoder == "draft":
+            kwargs = {**kwargs, "draft_model": early_model}
+        ref, _ = generate(model, prompts, 40)
+        out, stats = generate(model, prompts, 40, decoder=decoder, adaptive=True, **kwargs)
+        assert out == ref
+        alone = [generate(model, [p], 40, decoder=decoder, adaptive=True, **kwargs)[0][0]
+                 for p in prompts[:3]]
+        assert alone == ref[:3]
+        # Every round after the prefill is counted under the number of drafts it verified.
+        assert sum(stats.drafts_chosen) == stats.forwards - 1
+
+
+def test_adaptive_policy_drafts_only_what_pays() -> None:
+    """The decision rule on given costs and acceptance: long chains when drafts are accepted and
+    forwards cost little more per token, none when drafts are rejected or every token costs."""
+    from types import SimpleNamespace
+
+    from mtp.decoding.policy import Adaptive
+    from mtp.decoding.stats import DecodeStats
+
+    def choice(rate: float, cost: dict[int, float], batch: int) -> int:
+        stats = DecodeStats(offered=[1000] * 3, taken=[int(1000 * rate)] * 3)
+        ctx = SimpleNamespace(stats=stats, rows=list(range(batch)), room=lambda most: most)
+        policy = Adaptive(probe_every=10**9)
+        policy.cost = {(batch, n): c for n, c in cost.items()}
+        return policy.choose(ctx, 3)
+
+    flat = {0: 1.0, 1: 1.1, 2: 1.2, 3: 1.3}  # overhead-bound: a forward's tokens cost little
+    linear = {0: 1.0, 1: 2.0, 2: 3.0, 3: 4.0}  # compute-bound: each token costs a forward
+    assert choice(0.9, flat, 1) == 3
+    assert choice(0.02, flat, 1) == 0
+    assert choice(0.4, {0: 1.0, 1: 1.1, 2: 1.5, 3: 2.0}, 1) == 1
+    assert choice(0.9, linear, 16) == 0

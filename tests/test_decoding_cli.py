@@ -7,12 +7,12 @@ import json
 
 import pytest
 import torch
+from mtp.eval.completer import load_completer
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from mtp.checkpoint import EOT_TOKEN, save_checkpoint
 from mtp.config import ModelConfig
 from mtp.decode_cli import bench_main, generate_main
-from mtp.decoding import load_completer
 from mtp.model import MTPTransformer
 
 torch.set_num_threads(1)
@@ -48,6 +48,50 @@ def ckpts(tmp_path_factory) -> dict[str, str]:
     return paths
 
 
+@pytest.fixture(scope="module")
+def trained_ckpt(tmp_path_factory) -> str:
+    """A K = 4 checkpoint trained for a few seconds on the texts: its heads' drafts are often
+    accepted, so a demo shows drafted tokens."""
+    tok = _tokenizer()
+    stream = torch.tensor(tok.encode("".join(TEXTS) * 4).ids)
+    torch.manual_seed(0)
+    cfg = ModelConfig.from_name("debug", vocab_size=320, n_future=4, max_seq_len=64)
+    model = MTPTransformer(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(120):
+        start = torch.randint(0, len(stream) - 40, (16, 1), generator=g)
+        seq = stream[start + torch.arange(36)]  # (16, 36)
+        logits = model(seq[:, :32])
+        loss = sum(torch.nn.functional.cross_entropy(logits[i].flatten(0, 1),
+                                                     seq[:, i + 1 : i + 33].flatten())
+                   for i in range(4))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    path = str(tmp_path_factory.mktemp("trained") / "k4.ckpt")
+    save_checkpoint(path, model.eval(), tok)
+    return path
+
+
+def test_generate_shows_which_tokens_were_drafts(trained_ckpt, capsys) -> None:
+    code = generate_main(["--ckpt", trained_ckpt, "--prompt", "def fib(n):", "--decoder", "tree",
+                          "--max-new-tokens", "24", "--compare", "greedy"])
+    out = capsys.readouterr().out
+    assert code == 0
+    # Not a terminal: accepted drafts are marked; without the markers the text is greedy's.
+    assert "[[" in out and "]]" in out and "[[...]]: tokens from accepted drafts" in out
+    assert "outputs equal: yes" in out and "speedup" in out
+    text = out.split("\n[[...]]")[0]
+    code = generate_main(["--ckpt", trained_ckpt, "--prompt", "def fib(n):", "--decoder",
+                          "greedy", "--max-new-tokens", "24"])
+    plain = capsys.readouterr().out.split("\n[greedy]")[0]
+    assert text.replace("[[", "").replace("]]", "") == plain
+    generate_main(["--ckpt", trained_ckpt, "--prompt", "def fib(n):", "--decoder", "tree",
+                   "--max-new-tokens", "24", "--show-drafts", "color"])
+    assert "\033[36m" in capsys.readouterr().out
+
+
 def test_generate_streams_and_compares(ckpts, capsys) -> None:
     code = generate_main(["--ckpt", ckpts["k4"], "--prompt", "def fib(n):", "--decoder",
                           "self-spec", "--max-new-tokens", "12", "--compare", "greedy"])
@@ -72,7 +116,21 @@ def test_generate_other_decoders(ckpts, capsys, decoder) -> None:
     [
         (["--ckpt", "K1", "--decoder", "self-spec"], "--decoder self-spec drafts with heads 2..K"),
         (["--ckpt", "K1", "--decoder", "tree"], "single head"),
-        (["--ckpt", "K4", "--n-heads", "5", "--decoder", "self-spec"], "--n-heads must be in"),
+        (["--ckpt", "K4", "--n-heads", "5", "--decoder", "self-spec"], "--n-heads must lie in"),
+        (["--ckpt", "K4", "--n-heads", "0", "--decoder", "tree"], "--n-heads must lie in"),
+        (["--ckpt", "K4", "--decoder", "sample", "--temperature", "-1"],
+         "--temperature must be >= 0 (got -1.0)"),
+        (["--ckpt", "K4", "--decoder", "sample", "--top-p", "0"], "--top-p must be in (0, 1]"),
+        (["--ckpt", "K4", "--decoder", "sample", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
+        (["--ckpt", "K4", "--decoder", "sample", "--top-k", "0"], "--top-k must be >= 1"),
+        (["--ckpt", "K4", "--decoder", "greedy", "--temperature", "0.5"], "--decoder sample"),
+        (["--ckpt", "K4", "--decoder", "sample", "--temperature", "0"], "--temperature > 0"),
+        (["--ckpt", "K4", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+        (["--ckpt", "K4", "--gamma", "0"], "--gamma must be >= 1"),
+        (["--ckpt", "K4", "--threads", "0"], "--threads must be >= 1"),
+        (["--ckpt", "K4", "--device", "gpu7"], "--device 'gpu7'"),
+        (["--ckpt", "K4", "--tree", "3,x"], "--tree must be"),
+        (["--ckpt", "K4", "--tree", ""], "--tree must be"),
         (["--ckpt", "K4", "--decoder", "beam"], "--decoder: invalid choice: 'beam'"),
         (["--ckpt", "K4", "--decoder", "draft"], "--decoder draft needs --draft-ckpt"),
         (["--ckpt", "missing.ckpt"], "--ckpt: checkpoint missing.ckpt does not exist"),
@@ -95,30 +153,67 @@ def test_bench_decode_writes_table_and_csv(ckpts, tmp_path, capsys) -> None:
     prompts.write_text("".join(json.dumps({"prompt": t[:12]}) + "\n" for t in TEXTS))
     out_csv = tmp_path / "bench.csv"
     code = bench_main(["--ckpt", ckpts["k4"], "--draft-ckpt", ckpts["k1"], "--prompts",
-                       str(prompts), "--max-new-tokens", "10", "--n-heads", "1,4",
-                       "--auto-tree", "5", "--calib-prompts", "2", "--csv", str(out_csv)])
+                       str(prompts), "--max-new-tokens", "10", "--n-heads", "2,4",
+                       "--auto-tree", "5", "--calib-prompts", "2", "--csv", str(out_csv),
+                       "--oracle", "--adaptive", "--repeat", "2"])
     assert code == 0
     table = capsys.readouterr().out
-    assert "speedup" in table and "verify_pct" in table
+    assert "speedup" in table and "verify_pct" in table and "round_over_bare" in table
     rows = list(csv.DictReader(out_csv.open()))
     names = [r["decoder"] for r in rows]
-    assert names[0] == "greedy" and names[1:3] == ["self-spec h=1", "self-spec h=4"]
+    assert names[0] == "greedy" and names[1:3] == ["self-spec h=2", "self-spec h=4"]
     assert any(n.startswith("tree h=4") for n in names) and any("auto" in n for n in names)
-    assert "draft gamma=4" in names
+    assert "draft gamma=4" in names and "self-spec h=4 adaptive" in names
     for r in rows:
         assert r["equal_to_greedy"] == "3/3", r["decoder"]
         assert float(r["L"]) >= 1 and r["torch"] == torch.__version__
         assert r["git_rev"] and r["hardware"]
+        assert float(r["round_ms"]) > 0 and float(r["bare_ms"]) > 0
     assert float(rows[0]["speedup"]) == 1.0
+    oracle = {r["decoder"]: r for r in rows}["oracle n=3 (upper bound)"]
+    # Drafting greedy's own tokens: every draft accepted. 10 tokens: the prefill's, two rounds
+    # of 3 drafts + 1, and a last round with no room for drafts.
+    assert oracle["acceptance"] == "1.00/1.00/1.00" and float(oracle["L"]) == 10 / 4
 
 
 def test_bench_decode_bad_input(ckpts, capsys) -> None:
     with pytest.raises(SystemExit) as e:
         bench_main(["--ckpt", ckpts["k4"], "--decoders", "greedy,beam"])
     assert e.value.code == 2 and "--decoders: unknown decoder 'beam'" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as e:
-        bench_main(["--ckpt", ckpts["k4"], "--n-heads", "1,7"])
-    assert e.value.code == 2 and "--n-heads must lie in [1, 4]" in capsys.readouterr().err
+    for args, message in [
+        (["--n-heads", "1,7"], "--n-heads must lie in [1, 4]"),
+        (["--n-heads", "2,x"], "--n-heads: expected comma-separated integers"),
+        (["--temperature", "-0.5"], "--temperature must be >= 0"),
+        (["--top-p", "2"], "--top-p must be in (0, 1]"),
+        (["--repeat", "0"], "--repeat must be >= 1"),
+        (["--batch-size", "0"], "--batch-size must be >= 1"),
+        (["--limit", "0"], "--limit must be >= 1"),
+        (["--tree", "2,-1"], "--tree must be"),
+        (["--prompts", "nowhere.jsonl"], "--prompts: nowhere.jsonl is neither"),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            bench_main(["--ckpt", ckpts["k4"], *args])
+        assert e.value.code == 2 and message in capsys.readouterr().err, args
+
+
+def test_bench_decode_names_a_bad_prompt_line(ckpts, tmp_path, capsys) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "def f():"}\n{"text": "x"}\n')
+    with pytest.raises(SystemExit):
+        bench_main(["--ckpt", ckpts["k4"], "--prompts", str(bad)])
+    assert "line 2: not a JSON object with a 'prompt'" in capsys.readouterr().err
+
+
+def test_bench_decode_batched(ckpts, tmp_path, capsys) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": t[:12]}) + "\n" for t in TEXTS * 2))
+    out_csv = tmp_path / "bench.csv"
+    assert bench_main(["--ckpt", ckpts["k4"], "--prompts", str(prompts), "--max-new-tokens",
+                       "8", "--decoders", "self-spec", "--n-heads", "3", "--batch-size", "4",
+                       "--adaptive", "--repeat", "1", "--csv", str(out_csv)]) == 0
+    rows = {r["decoder"]: r for r in csv.DictReader(out_csv.open())}
+    assert rows["self-spec h=3 adaptive"]["equal_to_greedy"] == "6/6"
+    assert rows["self-spec h=3"]["batch_size"] == "4"
 
 
 def test_completer(ckpts) -> None:

@@ -1,0 +1,113 @@
+"""Completions from an mtp checkpoint for the harness: any decoder, batched, seeded."""
+
+from __future__ import annotations
+
+import torch
+
+from mtp.decoding import DECODERS, DecodeStats, generate
+from mtp.model import MTPTransformer
+
+__all__ = ["ModelCompleter", "load_completer"]
+
+
+class ModelCompleter:
+    """Completes text prompts with one decoder of one model (see `load_completer`); the
+    `mtp.eval.harness.Completer` of `mtp eval --ckpt`."""
+
+    def __init__(
+        self,
+        model: MTPTransformer,
+        tokenizer,
+        *,
+        decoder: str = "greedy",
+        draft_model: MTPTransformer | None = None,
+        batch_size: int = 16,
+        **decode_kwargs,
+    ) -> None:
+        from mtp.checkpoint import EOT_TOKEN
+
+        self.model, self.tokenizer, self.decoder = model, tokenizer, decoder
+        self.draft_model, self.batch_size = draft_model, batch_size
+        self.decode_kwargs = decode_kwargs
+        self.eot_id = tokenizer.token_to_id(EOT_TOKEN)
+        self.stats = DecodeStats()
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def complete(
+        self,
+        prompts: list[str],
+        *,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        stop: list[str],
+        seed: int | None,
+    ) -> list[str]:
+        """Continue each prompt; each text ends before its first stop string or end-of-text.
+
+        `greedy` and `sample` follow the temperature (0: greedy); speculative decoders sample
+        exactly when temperature > 0. Prompts are decoded `batch_size` at a time, and the same
+        seed gives the same completions.
+        """
+        decoder = self.decoder
+        if decoder in ("greedy", "sample"):
+            decoder = "sample" if temperature > 0 else "greedy"
+        generator = torch.Generator(device=next(self.model.parameters()).device)
+        if seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(seed)
+        window = self.model.cfg.max_seq_len
+        out: list[str] = []
+        for i in range(0, len(prompts), self.batch_size):
+            ids = [self.tokenizer.encode(p).ids for p in prompts[i : i + self.batch_size]]
+            # An over-long prompt keeps its end (the completion continues from there), leaving
+            # room for the new tokens in the context window.
+            room = max(window - max_new_tokens, window // 2)
+            ids = [x[-room:] for x in ids]
+            tokens, stats = generate(
+                self.model, ids, max_new_tokens, decoder=decoder,
+                temperature=temperature if temperature > 0 else None,
+                top_p=top_p if temperature > 0 and top_p < 1 else None,
+                draft_model=self.draft_model, eot_id=self.eot_id, stop=stop,
+                decode=self._decode, generator=generator, **self.decode_kwargs,
+            )
+            self.stats.add(stats)
+            for t in tokens:
+                text = self._decode(t)
+                cut = min((text.find(s) for s in stop if s in text), default=len(text))
+                out.append(text[:cut])
+        return out
+
+
+def load_completer(
+    ckpt_path: str,
+    *,
+    decoder: str,
+    device: str = "cpu",
+    draft_ckpt: str | None = None,
+    batch_size: int = 16,
+    **decode_kwargs,
+) -> ModelCompleter:
+    """A `ModelCompleter` over a checkpoint, for `mtp eval` (`draft_ckpt` is needed by `draft`)."""
+    from mtp.checkpoint import load_checkpoint
+
+    if decoder not in DECODERS:
+        raise ValueError(f"unknown decoder {decoder!r}; choose one of {', '.join(DECODERS)}")
+    model, tokenizer = load_checkpoint(ckpt_path, device=device)
+    draft_model = None
+    if decoder == "draft":
+        if draft_ckpt is None:
+            raise ValueError("decoder 'draft' needs a draft checkpoint (--draft-ckpt)")
+        draft_model, draft_tok = load_checkpoint(draft_ckpt, device=device)
+        if draft_tok.to_str() != tokenizer.to_str():
+            raise ValueError(f"the draft checkpoint {draft_ckpt} has a different tokenizer")
+    if decoder in ("self-spec", "tree") and model.cfg.n_future == 1:
+        raise ValueError(
+            f"{ckpt_path} has a single head (--model.n_future 1): decoder {decoder!r} needs "
+            "extra heads"
+        )
+    return ModelCompleter(model, tokenizer, decoder=decoder, draft_model=draft_model,
+                     batch_size=batch_size, **decode_kwargs)

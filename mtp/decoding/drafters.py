@@ -1,0 +1,261 @@
+"""Drafters: what proposes a round's tokens to the loop of `mtp.decoding.engine`.
+
+A drafter has four hooks: `start` (after the prefill), `propose` (a round's tokens, n drafts per
+row), `commit` (after acceptance: run on the committed tokens) and `keep` (rows leave the batch).
+
+- `Drafter` proposes nothing: plain greedy or sampling, one token per forward.
+- `HeadChain`: heads 2..h draft a chain (blockwise parallel decoding, Stern et al. 2018).
+- `HeadTree`: the top-k of heads 2..h form a candidate tree (Medusa).
+- `DraftModel`: a separate small model drafts a chain (Leviathan et al. 2023).
+- `Oracle`: drafts the tokens greedy will emit; an upper bound that measures the loop's cost
+  independently of how good the heads are.
+
+Heads 2..h run only on the tokens a round committed, after acceptance: their caches then only
+ever hold the committed sequence, and a tree forward does not pay the draft heads for its
+rejected branches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from mtp.decoding.engine import (
+    Context,
+    Proposal,
+    Trunk,
+    Verified,
+    chain_mask,
+    forward,
+    keep_rows,
+    new_cache,
+    prefill,
+)
+from mtp.decoding.heads import draft_heads
+from mtp.decoding.sampling import multinomial
+from mtp.decoding.tree import Tree, TreeTensors
+from mtp.model import MTPTransformer
+
+__all__ = ["DraftModel", "Drafter", "HeadChain", "HeadTree", "Oracle"]
+
+
+class Drafter:
+    """Proposes nothing: every round verifies the pending token alone (plain decoding)."""
+
+    max_drafts = 0
+    """The most drafts per row a round can verify (a tree's depth)."""
+
+    def start(self, ctx: Context, prompts: list[list[int]], trunk: Trunk,
+              pending: torch.Tensor) -> None:
+        """After the prefill: `trunk` holds the trunk output at every prompt position."""
+
+    def propose(self, ctx: Context, pending: torch.Tensor, n: int) -> Proposal:
+        """The round's tokens: the pending token (B,) and n drafts per row."""
+        return Proposal(pending[:, None], 0)
+
+    def commit(self, ctx: Context, v: Verified) -> None:
+        """After acceptance, before the cache lengths advance past the committed tokens."""
+
+    def keep(self, idx: torch.Tensor) -> None:
+        """Rows `idx` go on; the others left the batch."""
+
+    def finish(self, ctx: Context) -> None:
+        """After the last round: leave every cache layer holding the committed tokens."""
+
+
+class HeadChain(Drafter):
+    """Heads 2..h draft h - 1 tokens from the last committed position."""
+
+    def __init__(self, model: MTPTransformer, n_heads: int) -> None:
+        self.heads = draft_heads(model, n_heads)
+        self.max_drafts = n_heads - 1
+        self.drafts = self.q = None
+        # Trunk outputs (B, 1, d) and rotary tables of tokens committed by rounds that drafted
+        # nothing, not yet run through the draft heads (see `commit`).
+        self.backlog: list[Trunk] = []
+
+    def _run(self, ctx: Context, trunk: Trunk, nodes: torch.Tensor | int,
+             last: torch.Tensor) -> None:
+        """Run the draft heads over the committed tokens of a forward and draft from their
+        hidden states at `last` (B,), an index into them. The committed tokens are `nodes`
+        (B, t), or with an int t the forward's first t tokens.
+
+        Padded rows repeat their last node: the padding's keys land past the row's new length,
+        where nothing reads them. Keys and values land at slots lengths + 0..t-1: call after
+        any compaction, before the lengths advance.
+        """
+        h, (cos, sin) = trunk
+        cache = ctx.cache
+        if isinstance(nodes, int):
+            t = nodes
+            h, cos, sin = h[:, :t], cos[:, :, :t], sin[:, :, :t]
+        else:
+            t = nodes.shape[1]
+            h = h.gather(1, nodes[..., None].expand(-1, -1, h.shape[-1]))  # (B, t, d)
+            idx = nodes[:, None, :, None].expand(-1, 1, -1, cos.shape[-1])
+            cos, sin = cos.gather(2, idx), sin.gather(2, idx)  # (B, 1, t, hd/2) each
+        slots = cache.lengths[:, None] + torch.arange(t, device=h.device)
+        out = self.heads(h, (cos, sin), cache, slots, chain_mask(cache.lengths, t))
+        hidden = out[:, torch.arange(len(last), device=h.device), last]  # (h-1, B, d)
+        logits = ctx.model.unembed(hidden.transpose(0, 1))  # (B, h-1, V)
+        self._draft(ctx, logits)
+        ctx.timer.lap("draft")
+
+    def _draft(self, ctx: Context, logits: torch.Tensor) -> None:
+        """One draft per head (B, h-1): the argmax when greedy, else a draw from the head's
+        filtered distribution q (B, h-1, V), which the acceptance rule needs."""
+        if ctx.sampling.greedy:
+            self.drafts = logits.argmax(-1)
+        else:
+            self.q = ctx.sampling.probs(logits)
+            self.drafts = multinomial(self.q, ctx.generator)
+
+    def start(self, ctx, prompts, trunk, pending) -> None:
+        lengths = torch.tensor([len(p) for p in prompts], device=pending.device)
+        ctx.cache.truncate(torch.zeros_like(lengths))
+        self._run(ctx, trunk, trunk[0].shape[1], lengths - 1)
+        ctx.cache.truncate(lengths)
+
+    def _catch_up(self, ctx: Context) -> None:
+        """Run the draft heads over the backlog, the last m committed tokens."""
+        m = len(self.backlog)
+        h = torch.cat([t[0] for t in self.backlog], dim=1)  # (B, m, d)
+        rope = tuple(torch.cat([t[1][i] for t in self.backlog], dim=2) for i in range(2))
+        self.backlog = []
+        lengths = ctx.cache.lengths
+        ctx.cache.truncate(lengths - m)
+        self._run(ctx, (h, rope), m, torch.full_like(lengths, m - 1))
+        ctx.cache.truncate(lengths)
+
+    def propose(self, ctx, pending, n) -> Proposal:
+        if n and self.backlog:
+            self._catch_up(ctx)
+        tokens = torch.cat([pending[:, None], self.drafts[:, :n]], dim=1)
+        ctx.timer.lap("draft")
+        return Proposal(tokens, n, q=None if self.q is None else self.q[:, :n])
+
+    def commit(self, ctx, v) -> None:
+        if v.proposal.n == 0:
+            # A round that drafted nothing committed one token per row. Heads 2..h wait until a
+            # round wants drafts: where speculation does not pay (`policy.Adaptive`), they stop
+            # costing anything.
+            h, (cos, sin) = v.trunk
+            self.backlog.append((h[:, :1], (cos[:, :, :1], sin[:, :, :1])))
+            return
+        # A chain's committed tokens are the first ones of the round.
+        nodes = v.path.shape[1] if v.proposal.tree is None else v.path
+        self._run(ctx, v.trunk, nodes, v.accepted)
+
+    def finish(self, ctx) -> None:
+        if self.backlog:
+            self._catch_up(ctx)
+
+    def keep(self, idx) -> None:
+        if self.drafts is not None:
+            self.drafts = self.drafts[idx]
+        if self.q is not None:
+            self.q = self.q[idx]
+        self.backlog = [(h[idx], (cos[idx], sin[idx])) for h, (cos, sin) in self.backlog]
+
+
+class HeadTree(HeadChain):
+    """The top-k candidates of heads 2..h form a tree, verified in one forward with a tree mask
+    (each node sees its ancestors) and positions lengths + depth; the cache keeps the accepted
+    path only."""
+
+    def __init__(self, model: MTPTransformer, n_heads: int, tree: Tree) -> None:
+        super().__init__(model, n_heads)
+        self.tree = tree.pruned(n_heads - 1)
+        self.top = max(self.tree.widths(), default=1)
+        self.max_drafts = self.tree.depth
+        self.by_depth: dict[int, TreeTensors] = {}  # the tree cut to fewer levels near the end
+
+    def _draft(self, ctx, logits) -> None:
+        self.drafts = logits.topk(self.top, dim=-1).indices  # (B, h-1, top)
+
+    def propose(self, ctx, pending, n) -> Proposal:
+        if n not in self.by_depth:
+            self.by_depth[n] = TreeTensors.build(self.tree.pruned(n), pending.device)
+        tt = self.by_depth[n]
+        # Node j holds candidate rank[j] of head depth[j] + 1; the root holds pending.
+        tokens = self.drafts[:, (tt.depth - 1).clamp(min=0), tt.rank]  # (B, N+1)
+        tokens[:, 0] = pending
+        ctx.timer.lap("tree")
+        return Proposal(tokens, n, tree=tt)
+
+
+class DraftModel(Drafter):
+    """A separate model proposes up to gamma tokens, one forward each.
+
+    Its cache holds every committed token but the last u + 1: the `unfed` ones (B, u), which the
+    next round feeds it first, and the pending token. After a round that drafted, u = 1: the
+    token before the verifier's one, which covers d_gamma when all drafts were accepted (the
+    draft model never ran on it); rewriting it when it is already cached is harmless (same
+    keys). A round that drafted nothing adds its token to the unfed ones.
+    """
+
+    def __init__(self, draft_model: MTPTransformer, gamma: int) -> None:
+        self.model, self.max_drafts = draft_model, gamma
+
+    def start(self, ctx, prompts, trunk, pending) -> None:
+        self.cache = new_cache(self.model, len(prompts), ctx.cache.max_len)
+        if max(len(p) for p in prompts) > 1:
+            sub = Context(**{**vars(ctx), "model": self.model, "cache": self.cache})
+            prefill(sub, [p[:-1] or p for p in prompts])
+            ctx.stats.draft_forwards += 1
+        self.cache.truncate(ctx.cache.lengths - 1)
+        self.unfed = torch.tensor([[p[-1]] for p in prompts], device=pending.device)
+        ctx.timer.lap("draft")
+
+    def propose(self, ctx, pending, n) -> Proposal:
+        drafts, qs = [], []
+        inp = torch.cat([self.unfed, pending[:, None]], dim=1)
+        for _ in range(n):
+            cache = self.cache
+            t = inp.shape[1]
+            pos = cache.lengths[:, None] + torch.arange(t, device=inp.device)
+            hidden, _ = forward(self.model, cache, inp, pos, chain_mask(cache.lengths, t))
+            ctx.stats.draft_forwards += 1
+            cache.truncate(cache.lengths + t)
+            logits = self.model.unembed(hidden[:, -1])  # (B, V)
+            if ctx.sampling.greedy:
+                drafts.append(logits.argmax(-1))
+            else:
+                qs.append(ctx.sampling.probs(logits))
+                drafts.append(multinomial(qs[-1], ctx.generator))
+            inp = drafts[-1][:, None]
+        tokens = torch.stack([pending, *drafts], dim=1)  # (B, n+1)
+        ctx.timer.lap("draft")
+        return Proposal(tokens, n, q=torch.stack(qs, 1) if qs else None)
+
+    def commit(self, ctx, v) -> None:
+        if v.proposal.n == 0:
+            self.unfed = torch.cat([self.unfed, v.proposal.tokens], dim=1)
+            return
+        a = v.accepted
+        # The token before the verifier's: the last committed one the target cache will hold.
+        self.unfed = v.proposal.tokens[torch.arange(len(a), device=a.device), a][:, None]
+        self.cache.truncate(ctx.cache.lengths + a)
+
+    def keep(self, idx) -> None:
+        keep_rows(self.cache, idx)
+        self.unfed = self.unfed[idx]
+
+
+class Oracle(Drafter):
+    """Drafts the tokens a reference decode emits (run greedy first): the engine's cost with
+    drafts that are always right, an upper bound independent of head quality."""
+
+    def __init__(self, reference: Sequence[Sequence[int]], n: int) -> None:
+        self.reference, self.max_drafts = [list(r) for r in reference], n
+
+    def propose(self, ctx, pending, n) -> Proposal:
+        out = ctx.stopper.out
+        rows = []
+        for r in ctx.rows:
+            done = len(out[r])  # the pending token is out[r][-1]
+            rows.append((self.reference[r][done : done + n] + [0] * n)[:n])
+        drafts = torch.tensor(rows, dtype=torch.long, device=pending.device).view(len(rows), n)
+        ctx.timer.lap("draft")
+        return Proposal(torch.cat([pending[:, None], drafts], dim=1), n)

@@ -1,0 +1,258 @@
+"""The decode loop, written once: prefill, then rounds of propose, verify, accept, commit.
+
+Every decoder is this loop with one drafter (`mtp.decoding.drafters`): plain decoding proposes
+nothing, self-speculation proposes a chain or a tree from heads 2..h, `draft` a chain from a
+separate model, `oracle` the tokens greedy will emit. A round:
+
+1. propose: the drafter's tokens (B, T), the pending token first, with their position offsets
+   and which of them each one sees (a causal chain or a tree's ancestors);
+2. verify: one cached forward of the trunk and head 1 over them;
+3. accept: the exact rule for a chain or a tree (`mtp.decoding.acceptance`);
+4. commit: a tree's accepted path moves to contiguous cache slots, the drafter runs on the
+   committed tokens (heads 2..h draft the next round from there), the cache lengths advance,
+   the stopper takes each row's new tokens, and finished rows leave the batch.
+
+Batches. Rows keep their own positions: prompts of different lengths are right-padded for the
+prefill only (the padding lands in cache slots past each row's length, which no mask ever opens),
+and afterwards each row writes at its own slots `lengths[b] + j`. Slot == RoPE position on the
+committed path, so no row's positions are shifted by padding, and rows accept different numbers
+of tokens per round. Finished rows leave the batch, so the batch only pays for live rows.
+
+Invariant between rounds: the cache holds every committed token but the last one, `pending`,
+which is the first input of the next forward (so a forward never recomputes a token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mtp.decoding.acceptance import accept_chain, accept_tree
+from mtp.decoding.sampling import Sampling
+from mtp.decoding.stats import DecodeStats, Timer
+from mtp.decoding.stopper import Stopper
+from mtp.decoding.tree import TreeTensors
+from mtp.model import KVCache, MTPTransformer
+
+__all__ = ["Context", "Proposal", "Trunk", "Verified", "forward", "new_cache", "run"]
+
+Trunk = tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
+"""A forward's trunk output (B, T, d) and its rotary tables, from which draft heads run."""
+
+
+@dataclass
+class Context:
+    """What the loop and every drafter share for one `generate` call."""
+
+    model: MTPTransformer
+    cache: KVCache
+    sampling: Sampling
+    stopper: Stopper
+    timer: Timer
+    stats: DecodeStats
+    generator: torch.Generator | None
+    window: int  # positions available: max_seq_len (of the target and the draft model)
+    rows: list[int]  # the prompt index of each live batch row
+
+    def room(self, most: int) -> int:
+        """Drafts a round may verify: at most `most`, no position past the context window, and
+        no more than the longest row can still use (the round adds one token of its own)."""
+        room = self.window - 1 - int(self.cache.lengths.max())  # pending sits at lengths[b]
+        need = max(self.stopper.remaining(r) for r in self.rows) - 1
+        return max(0, min(most, room, need))
+
+
+@dataclass
+class Proposal:
+    """A round's tokens to verify."""
+
+    tokens: torch.Tensor  # (B, T): the pending token, then the drafts or tree nodes
+    n: int  # drafts per row: the chain's length or the tree's depth
+    tree: TreeTensors | None = None  # None: a chain, tokens[:, 1:] in order
+    q: torch.Tensor | None = None  # (B, n, V): the chain's proposal distribution when sampling
+
+
+@dataclass
+class Verified:
+    """What a round accepted, for the drafter to commit."""
+
+    proposal: Proposal
+    trunk: Trunk  # of the verify forward, at every proposed token
+    path: torch.Tensor  # (B, t): the committed proposal indices in order, padded with the last
+    accepted: torch.Tensor  # (B,) drafts accepted per row; path[b, accepted[b]] is the last
+    next_token: torch.Tensor  # (B,) the verifier's token after them: the next pending token
+    emitted: list[list[int]]  # each row's new tokens: the accepted drafts, then next_token
+
+
+# --------------------------------------------------------------------------------------------
+# Cached forwards
+
+
+def new_cache(model: MTPTransformer, batch: int, max_len: int) -> KVCache:
+    p = next(model.parameters())
+    return KVCache(model.cfg, batch, max_len, device=p.device, dtype=p.dtype)
+
+
+def chain_mask(lengths: torch.Tensor, t: int) -> torch.Tensor:
+    """Attention mask (B, 1, T, S) of a chain of T new tokens at slots lengths[b] + 0..T-1: each
+    sees its row's committed slots and the new tokens up to itself. S = max(lengths) + T, so
+    attention reads only the slots in use."""
+    s = int(lengths.max()) + t
+    last = lengths[:, None] + torch.arange(t, device=lengths.device)  # (B, T): own slot
+    return (torch.arange(s, device=lengths.device) <= last[..., None])[:, None]
+
+
+def tree_mask(lengths: torch.Tensor, template: torch.Tensor) -> torch.Tensor:
+    """Attention mask (B, 1, T, S) of T new tokens at slots lengths[b] + 0..T-1 that see their
+    row's committed slots and, among themselves, what template (T, T) allows (a tree's
+    ancestors)."""
+    t = template.shape[0]
+    s = int(lengths.max()) + t
+    rel = torch.arange(s, device=lengths.device) - lengths[:, None]  # (B, S) slot - first new
+    # Column t of the padded template is all False: slots past a row's new tokens stay closed.
+    padded = torch.cat([template, template.new_zeros(t, 1)], dim=1)  # (T, T+1)
+    inside = padded[:, rel.clamp(0, t)].transpose(0, 1)  # (B, T, S)
+    return ((rel < 0)[:, None, :] | inside)[:, None]
+
+
+def forward(
+    model: MTPTransformer,
+    cache: KVCache,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    mask: torch.Tensor,
+) -> tuple[torch.Tensor, Trunk]:
+    """Trunk and head 1 over tokens (B, T), their keys and values written at slots lengths +
+    0..T-1 (the lengths do not advance: the caller decides what stays).
+
+    Returns head 1's normalised hidden state (B, T, d) and the trunk output.
+    """
+    slots = cache.lengths[:, None] + torch.arange(tokens.shape[1], device=tokens.device)
+    h, rope = model.trunk(tokens, positions=positions, cache=cache, slots=slots, mask=mask)
+    return model.head_hidden(0, h, rope, cache=cache, slots=slots, mask=mask), (h, rope)
+
+
+def prefill(ctx: Context, prompts: list[list[int]]) -> tuple[torch.Tensor, Trunk]:
+    """Run the right-padded prompts through the trunk and head 1.
+
+    Returns head 1's hidden state at each row's last prompt token (B, d) and the trunk output
+    at every prompt position. Afterwards the cache lengths are the prompt lengths.
+    """
+    cache = ctx.cache
+    device = cache.k.device
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    t = int(lengths.max())
+    tokens = torch.zeros(len(prompts), t, dtype=torch.long, device=device)
+    for b, p in enumerate(prompts):
+        tokens[b, : len(p)] = torch.tensor(p, device=device)
+    cache.truncate(torch.zeros_like(lengths))
+    positions = torch.arange(t, device=device).expand(len(prompts), -1)
+    hidden, trunk = forward(ctx.model, cache, tokens, positions, chain_mask(cache.lengths, t))
+    cache.truncate(lengths)
+    return hidden[torch.arange(len(prompts), device=device), lengths - 1], trunk
+
+
+def keep_rows(cache: KVCache, keep: torch.Tensor) -> None:
+    """Drop finished rows from a cache (keep: indices of the rows that go on)."""
+    cache.k, cache.v = cache.k[:, keep], cache.v[:, keep]
+    cache.lengths = cache.lengths[keep]
+
+
+# --------------------------------------------------------------------------------------------
+# The loop
+
+
+def _verify(ctx: Context, prop: Proposal) -> tuple[torch.Tensor, Trunk]:
+    """The verify forward: head-1 logits (B, T, V) at every proposed token."""
+    cache, t = ctx.cache, prop.tokens.shape[1]
+    if prop.tree is None:
+        positions = cache.lengths[:, None] + torch.arange(t, device=prop.tokens.device)
+        mask = chain_mask(cache.lengths, t)
+    else:
+        positions = cache.lengths[:, None] + prop.tree.depth  # a node's position is its depth
+        mask = tree_mask(cache.lengths, prop.tree.ancestors)
+    ctx.timer.lap("cache")
+    hidden, trunk = forward(ctx.model, cache, prop.tokens, positions, mask)
+    logits = ctx.model.unembed(hidden)
+    ctx.timer.lap("verify")
+    return logits, trunk
+
+
+def _accept(ctx: Context, prop: Proposal, logits: torch.Tensor, trunk: Trunk) -> Verified:
+    """Apply the acceptance rule; a tree's accepted path moves to contiguous cache slots."""
+    b = prop.tokens.shape[0]
+    if prop.tree is None:
+        a, nxt = accept_chain(logits, prop.tokens[:, 1:], prop.q, ctx.sampling, ctx.generator)
+        # One host transfer for the round's tokens and counts.
+        host = torch.cat([prop.tokens, nxt[:, None], a[:, None]], dim=1).tolist()
+        emitted = [r[1 : 1 + r[-1]] + [r[-2]] for r in host]
+        top = max(r[-1] for r in host)
+        path = torch.arange(top + 1, device=a.device).expand(b, -1)
+        ctx.timer.lap("accept")
+    else:
+        tt = prop.tree
+        last, nxt = accept_tree(logits, prop.tokens, tt, ctx.sampling, ctx.generator)
+        a = tt.depth[last]
+        ctx.timer.lap("accept")
+        full = tt.path[last]  # (B, D+1): root .. last, padded with last
+        toks = prop.tokens.gather(1, full)
+        host = torch.cat([toks, nxt[:, None], a[:, None]], dim=1).tolist()
+        emitted = [r[1 : 1 + r[-1]] + [r[-2]] for r in host]
+        top = max(r[-1] for r in host)
+        path = full[:, : top + 1]
+        # Padding copies land past the new length, where nothing reads them.
+        ctx.cache.compact(ctx.cache.lengths[:, None] + path, ctx.cache.lengths)
+        ctx.timer.lap("cache")
+    return Verified(prop, trunk, path, a, nxt, emitted)
+
+
+def _commit(ctx: Context, emitted: list[list[int]], drafted: list[int]) -> torch.Tensor | None:
+    """Hand each row's new tokens to the stopper and count the round; returns the batch indices
+    of the rows that go on if some finished (else None)."""
+    alive, kept = [], []
+    lengths = ctx.cache.lengths.tolist()
+    for i, (row, toks, n_drafted, n_cached) in enumerate(
+        zip(ctx.rows, emitted, drafted, lengths, strict=True)
+    ):
+        n, done = ctx.stopper.extend(row, toks, n_drafted)
+        kept.append(n)
+        # A row whose sequence fills the context window (cache + pending token) also ends.
+        if not done and n_cached + 1 < ctx.window:
+            alive.append(i)
+    ctx.stats.count(kept)
+    if len(alive) == len(ctx.rows):
+        return None
+    ctx.rows = [ctx.rows[i] for i in alive]
+    return torch.tensor(alive, dtype=torch.long, device=ctx.cache.lengths.device)
+
+
+def run(ctx: Context, prompts: list[list[int]], drafter, policy) -> None:
+    """Decode every prompt to its end with `drafter`, `policy` choosing each round's drafts."""
+    hidden, trunk = prefill(ctx, prompts)
+    ctx.timer.lap("prefill")
+    pending = ctx.sampling.choose(ctx.model.unembed(hidden), ctx.generator)  # (B,)
+    ctx.timer.lap("accept")
+    drafter.start(ctx, prompts, trunk, pending)
+    keep = _commit(ctx, [[t] for t in pending.tolist()], [0] * len(prompts))
+    while ctx.rows:
+        start = ctx.timer.lap()
+        if keep is not None:
+            keep_rows(ctx.cache, keep)
+            drafter.keep(keep)
+            pending = pending[keep]
+        n = policy.choose(ctx, drafter.max_drafts)
+        prop = drafter.propose(ctx, pending, n)
+        logits, trunk = _verify(ctx, prop)
+        v = _accept(ctx, prop, logits, trunk)
+        drafter.commit(ctx, v)
+        ctx.cache.truncate(ctx.cache.lengths + v.accepted + 1)
+        ctx.timer.lap("cache")
+        pending = v.next_token
+        drafted = [len(e) - 1 for e in v.emitted]
+        keep = _commit(ctx, v.emitted, drafted)
+        ctx.stats.count_drafts(prop.n, drafted)
+        seconds = ctx.timer.lap() - start
+        ctx.stats.round_seconds.setdefault(tuple(prop.tokens.shape), []).append(seconds)
+        policy.observe(prop, seconds)
+    drafter.finish(ctx)

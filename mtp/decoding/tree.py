@@ -1,0 +1,162 @@
+"""Candidate trees: their shape, the index tensors that verify one, and choosing one from the
+heads' measured accuracies (Medusa's construction)."""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from mtp.model import MTPTransformer
+
+__all__ = ["Tree", "TreeTensors", "head_accuracy"]
+
+
+@dataclass(frozen=True)
+class Tree:
+    """A candidate tree: each node is a path of ranks, e.g. (0, 1) = head 2's top-1 token followed
+    by head 3's second-best token. Node 0 is the root (the pending token); nodes are sorted by
+    depth, so parents come before children.
+
+    A node at depth d (1-based) holds the rank-r candidate of head d + 1, all heads drafting from
+    the same position, so sibling tokens are distinct and the tree is a pruned Cartesian product.
+    """
+
+    paths: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self) -> None:
+        if not self.paths or self.paths[0] != ():
+            raise ValueError("a tree's first path must be the root ()")
+        seen = set()
+        for p in self.paths:
+            if p in seen:
+                raise ValueError(f"tree path {p} appears twice")
+            if p and p[:-1] not in seen:
+                raise ValueError(f"tree path {p} has no parent {p[:-1]} before it")
+            if any(r < 0 for r in p):
+                raise ValueError(f"tree path {p} has a negative rank")
+            seen.add(p)
+
+    @classmethod
+    def from_paths(cls, paths: Sequence[Sequence[int]]) -> Tree:
+        """A tree from its non-root paths in any order (the root is added)."""
+        unique = sorted({tuple(p) for p in paths if len(p)}, key=lambda p: (len(p), p))
+        return cls(((), *unique))
+
+    @classmethod
+    def from_widths(cls, widths: Sequence[int]) -> Tree:
+        """The full tree with widths[d] children per node at depth d + 1 (Cartesian product)."""
+        if any(w < 1 for w in widths):
+            raise ValueError(f"tree widths must be >= 1 (got {list(widths)})")
+        level, paths = [()], []
+        for w in widths:
+            level = [p + (r,) for p in level for r in range(w)]
+            paths += level
+        return cls.from_paths(paths)
+
+    @classmethod
+    def from_accuracies(cls, accuracy: torch.Tensor, n_nodes: int) -> Tree:
+        """The n_nodes-node tree of largest expected accepted length (Medusa's construction).
+
+        A path's chance of being accepted is taken as the product of its ranks' accuracies,
+        accuracy[d, r] = P(rank-r token of head d + 2 is the right one). Nodes are added best
+        first; a child is never likelier than its parent, so the result is prefix-closed.
+        """
+        acc = accuracy.double().clamp(0, 1).tolist()
+        heap = [(-acc[0][r], (r,)) for r in range(len(acc[0]))]
+        heapq.heapify(heap)
+        paths = []
+        while heap and len(paths) < n_nodes:
+            neg, path = heapq.heappop(heap)
+            paths.append(path)
+            if len(path) < len(acc):
+                for r, a in enumerate(acc[len(path)]):
+                    heapq.heappush(heap, (neg * a, path + (r,)))
+        return cls.from_paths(paths)
+
+    @property
+    def depth(self) -> int:
+        return max(len(p) for p in self.paths)
+
+    def widths(self) -> list[int]:
+        """Top-k needed from each head: 1 + the largest rank used at each depth."""
+        return [1 + max(p[d] for p in self.paths if len(p) > d) for d in range(self.depth)]
+
+    def pruned(self, max_depth: int) -> Tree:
+        return Tree(tuple(p for p in self.paths if len(p) <= max_depth))
+
+    def __str__(self) -> str:
+        return f"{len(self.paths) - 1} nodes, depth {self.depth}, widths {self.widths()}"
+
+
+@dataclass
+class TreeTensors:
+    """Index tensors of a tree for verification: N + 1 nodes, root first."""
+
+    depth: torch.Tensor  # (N+1,) node depth, root 0
+    rank: torch.Tensor  # (N+1,) rank of the node's token in its head's top-k (root: 0)
+    parent: torch.Tensor  # (N+1,) parent node (root: 0)
+    ancestors: torch.Tensor  # (N+1, N+1) bool: ancestors[j, i] = i is j or an ancestor of j
+    path: torch.Tensor  # (N+1, D+1) nodes root..j, padded by repeating j
+
+    @classmethod
+    def build(cls, tree: Tree, device: torch.device) -> TreeTensors:
+        index = {p: j for j, p in enumerate(tree.paths)}
+        n, d = len(tree.paths), tree.depth
+        anc = torch.zeros(n, n, dtype=torch.bool)
+        path = torch.zeros(n, d + 1, dtype=torch.long)
+        for j, p in enumerate(tree.paths):
+            nodes = [index[p[:i]] for i in range(len(p) + 1)]
+            anc[j, nodes] = True
+            path[j] = torch.tensor(nodes + [j] * (d + 1 - len(nodes)))
+        return cls(
+            depth=torch.tensor([len(p) for p in tree.paths], device=device),
+            rank=torch.tensor([p[-1] if p else 0 for p in tree.paths], device=device),
+            parent=torch.tensor([index[p[:-1]] if p else 0 for p in tree.paths], device=device),
+            ancestors=anc.to(device),
+            path=path.to(device),
+        )
+
+
+@torch.no_grad()
+def head_accuracy(
+    model: MTPTransformer,
+    sequences: Sequence[Sequence[int]],
+    *,
+    start: Sequence[int] | None = None,
+    max_rank: int = 10,
+) -> torch.Tensor:
+    """How often each draft head ranks the true token at each rank, teacher-forced.
+
+    Feed the model's own greedy continuations to get the accuracies greedy tree decoding sees.
+
+    Args:
+        sequences: token sequences (each within the context window).
+        start: count only predictions of tokens at index >= start[i] (e.g. the prompt length).
+        max_rank: ranks 0..max_rank-1 are counted.
+
+    Returns:
+        accuracy (K-1, max_rank): accuracy[d, r] = P(the rank-r token of head d + 2 is right).
+    """
+    k = model.cfg.n_future
+    hits = torch.zeros(k - 1, max_rank, dtype=torch.float64)
+    total = torch.zeros(k - 1, dtype=torch.float64)
+    device = next(model.parameters()).device
+    for i, seq in enumerate(sequences):
+        x = torch.tensor(seq, device=device)[None]
+        logits = model(x)[:, 0]  # (K, T, V)
+        first = start[i] if start is not None else 1
+        for d in range(1, k):  # head d + 1 at position t predicts token t + d + 1
+            t = torch.arange(max(first - d - 1, 0), len(seq) - d - 1, device=device)
+            if len(t) == 0:
+                continue
+            target = x[0, t + d + 1]
+            lg = logits[d, t]
+            rank = (lg > lg.gather(1, target[:, None])).sum(1)  # tokens scored above the truth
+            hits[d - 1] += torch.bincount(rank[rank < max_rank].cpu(), minlength=max_rank)[
+                :max_rank
+            ].double()
+            total[d - 1] += len(t)
+    return (hits / total.clamp(min=1)[:, None]).float()
