@@ -502,12 +502,13 @@ def bench_main(argv: list[str]) -> int:
         "repeat": args.repeat,
     }
     cols = ["decoder", "L", "acceptance", "ms_per_token", "speedup", "speedup_over_L",
-            "round_ms", "bare_ms", "round_over_bare", *[f"{ph}_pct" for ph in PHASES],
-            "drafts_chosen", "equal_to_greedy"]
+            "round_ms", "ms_per_accepted", "bare_ms", "round_over_bare",
+            *[f"{ph}_pct" for ph in PHASES], "drafts_chosen", "equal_to_greedy"]
     print(", ".join(f"{k}={v}" for k, v in environment().items()))
     print(format_table(rows, cols))
     print("acceptance: per depth, the rate a draft was accepted given every earlier one was; "
-          "round_ms: mean round after the prefill; bare_ms: a forward of trunk + head 1 + "
+          "round_ms: mean round after the prefill; ms_per_accepted: round_ms per token a "
+          "round produced; bare_ms: a forward of trunk + head 1 + "
           "unembedding over the same tokens, measured alone")
     write_csv([{**r, **meta} for r in rows], args.csv)
     return 0
@@ -535,6 +536,8 @@ def _rows(configs: list[_Config], bare_ms: dict[tuple[int, int], float], n_promp
             "speedup": round(base / per_token, 3),
             "speedup_over_L": round(base / per_token / s.tokens_per_forward, 3),
             "round_ms": round(round_ms, 3),
+            # A round's time per token it produced: what an accepted token costs.
+            "ms_per_accepted": round(round_ms / s.tokens_per_round, 3),
             "bare_ms": round(bare, 3),
             "round_over_bare": round(round_ms / bare, 3) if bare else None,
             **{f"{ph}_pct": round(100 * s.time[ph] / total, 1) for ph in PHASES},

@@ -331,10 +331,12 @@ def _cell(tokens: list[list[int]]) -> torch.Tensor:
     return (t * V_TINY ** torch.arange(N_NEW - 1, -1, -1)).sum(1)
 
 
-@pytest.mark.parametrize("decoder", ["sample", "self-spec", "tree", "draft"])
+@pytest.mark.parametrize("decoder", ["sample", "self-spec", "tree", "draft", "adaptive"])
 def test_speculative_sampling_is_exact(tiny, decoder: str) -> None:
     model, prompt, joint = tiny
     kwargs = {}
+    if decoder == "adaptive":  # rounds verify as many drafts as the policy finds pay
+        decoder, kwargs = "self-spec", {"adaptive": True}
     if decoder == "draft":
         kwargs = {"draft_model": _random_model(12, vocab_size=V_TINY, n_future=1, init_std=0.5),
                   "gamma": 3}

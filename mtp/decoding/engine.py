@@ -235,6 +235,7 @@ def run(ctx: Context, prompts: list[list[int]], drafter, policy) -> None:
     ctx.timer.lap("accept")
     drafter.start(ctx, prompts, trunk, pending)
     keep = _commit(ctx, [[t] for t in pending.tolist()], [0] * len(prompts))
+    ctx.stats.prefills += len(prompts)
     while ctx.rows:
         start = ctx.timer.lap()
         if keep is not None:

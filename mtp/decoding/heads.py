@@ -9,8 +9,10 @@ only when the heads' weights change). Head 1, which decides the output, always r
 unstacked heads' in the last bits, which only changes what is proposed (and q is what was really
 sampled from, so sampling stays exact).
 
-NOTE: on the 2-core CPU, `cpu` config (d = 256, K = 4), 4 new tokens: heads 2..4 one by one
-3.2-4.1 ms per forward, stacked 1.6-1.8 ms.
+NOTE: on the 2-core CPU, one thread, the default model (d = 192, K = 4), two committed tokens:
+heads 2..4 with their unembedding one by one 5.2-6.2 ms, stacked 3.0-3.7 ms (a greedy forward
+of the same model: 5.2-6.7 ms). What is left is reading the heads' and the unembedding's
+weights: bandwidth, not op count.
 """
 
 from __future__ import annotations

@@ -35,6 +35,8 @@ class DecodeStats:
     """Target-model forward passes (a batched forward counts once)."""
     row_forwards: int = 0
     """Target forwards summed over the rows that took part in them."""
+    prefills: int = 0
+    """Rows prefilled (each one's prefill forward produced its first token)."""
     draft_forwards: int = 0
     """Forward passes of the separate draft model (decoder `draft`)."""
     seconds: float = 0.0
@@ -60,6 +62,11 @@ class DecodeStats:
         return self.tokens / max(self.row_forwards, 1)
 
     @property
+    def tokens_per_round(self) -> float:
+        """New tokens per row-forward after the prefill: L in the steady state."""
+        return (self.tokens - self.prefills) / max(self.row_forwards - self.prefills, 1)
+
+    @property
     def ms_per_token(self) -> float:
         return 1000.0 * self.seconds / max(self.tokens, 1)
 
@@ -74,6 +81,7 @@ class DecodeStats:
         self.tokens += other.tokens
         self.forwards += other.forwards
         self.row_forwards += other.row_forwards
+        self.prefills += other.prefills
         self.draft_forwards += other.draft_forwards
         self.seconds += other.seconds
         for k, v in other.time.items():
