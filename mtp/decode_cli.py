@@ -323,6 +323,7 @@ def _read_prompts(p, spec: str) -> list[str]:
     return texts
 
 
+@torch.no_grad()
 def _bare_forward_ms(model, batch: int, t: int, cache_len: int, repeat: int) -> float:
     """Median ms of the verify forward alone (trunk, head 1, unembedding) over t tokens per row
     at `cache_len` cached tokens: what the hardware charges for a round's forward."""
@@ -463,6 +464,7 @@ def bench_main(argv: list[str]) -> int:
           f"batch size {args.batch_size}, {args.repeat} repeats, {args.device}")
     from tqdm import tqdm
 
+    bare: dict[tuple[int, int], list[float]] = {}
     for i, batch in enumerate(tqdm(batches, desc="prompt batches", file=sys.stderr)):
         times: dict[str, list[float]] = {c.name: [] for c in configs}
         ref = None
@@ -480,14 +482,12 @@ def bench_main(argv: list[str]) -> int:
                         c.stats.round_seconds.setdefault(t, []).extend(s)
         for c in configs:
             c.seconds.append(statistics.median(times[c.name]))
-
-    # The bare forward over each token count a round verified, at a typical cache length.
-    cache_len = int(statistics.median(len(x) for x in prompts)) + args.max_new_tokens // 2
-    shapes = sorted({bt for c in configs for bt in c.stats.round_seconds})
-    bare = {bt: [] for bt in shapes}
-    for _ in range(args.repeat):
-        for b, t in shapes:
-            bare[b, t].append(_bare_forward_ms(model, b, t, cache_len, repeat=10))
+        # Beside the rounds, the bare forward over each shape a round verified so far, at the
+        # batch's median cache length.
+        cache_len = int(statistics.median(len(x) for x in batch)) + args.max_new_tokens // 2
+        for b, t in sorted({bt for c in configs for bt in c.stats.round_seconds}):
+            bare.setdefault((b, t), []).append(
+                _bare_forward_ms(model, b, t, min(cache_len, model.cfg.max_seq_len - t), 5))
     bare_ms = {bt: statistics.median(v) for bt, v in bare.items()}
 
     rows = _rows(configs, bare_ms, len(prompts), sampled)
