@@ -1,7 +1,8 @@
 """Drafters: what proposes a round's tokens to the loop of `mtp.decoding.engine`.
 
-A drafter has four hooks: `start` (after the prefill), `propose` (a round's tokens, n drafts per
-row), `commit` (after acceptance: run on the committed tokens) and `keep` (rows leave the batch).
+A drafter has five hooks: `start` (after the prefill), `propose` (a round's tokens, n drafts per
+row), `commit` (after acceptance: run on the committed tokens), `keep` (rows leave the batch)
+and `finish` (after the last round).
 
 - `Drafter` proposes nothing: plain greedy or sampling, one token per forward.
 - `HeadChain`: heads 2..h draft a chain (blockwise parallel decoding, Stern et al. 2018).
@@ -201,8 +202,7 @@ class DraftModel(Drafter):
     def start(self, ctx, prompts, trunk, pending) -> None:
         self.cache = new_cache(self.model, len(prompts), ctx.cache.max_len)
         if max(len(p) for p in prompts) > 1:
-            sub = Context(**{**vars(ctx), "model": self.model, "cache": self.cache})
-            prefill(sub, [p[:-1] or p for p in prompts])
+            prefill(self.model, self.cache, [p[:-1] or p for p in prompts])
             ctx.stats.draft_forwards += 1
         self.cache.truncate(ctx.cache.lengths - 1)
         self.unfed = torch.tensor([[p[-1]] for p in prompts], device=pending.device)
