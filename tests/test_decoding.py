@@ -541,3 +541,15 @@ def test_adaptive_policy_drafts_only_what_pays() -> None:
     assert choice(0.02, flat, 1) == 0
     assert choice(0.4, {0: 1.0, 1: 1.1, 2: 1.5, 3: 2.0}, 1) == 1
     assert choice(0.9, linear, 16) == 0
+
+
+def test_adaptive_policy_scales_costs_to_a_new_batch_size() -> None:
+    """When rows leave the batch, costs the new batch size has not measured are scaled from the
+    nearest one by the ratio of a choice both measured, so the new size explores nothing."""
+    from mtp.decoding.policy import Adaptive
+
+    policy = Adaptive()
+    policy.cost = {(8, 0): 10.0, (8, 1): 15.0, (8, 2): 20.0, (7, 0): 9.0}
+    assert policy.estimate(7, 2) == pytest.approx(9.0 * 20.0 / 10.0)
+    assert policy.estimate(7, 1) == pytest.approx(9.0 * 15.0 / 10.0)
+    assert policy.estimate(3, 1) is None  # nothing measured at 3 to scale from
