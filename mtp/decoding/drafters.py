@@ -46,6 +46,9 @@ class Drafter:
 
     max_drafts = 0
     """The most drafts per row a round can verify (a tree's depth)."""
+    deferred = 0.0
+    """Seconds of the last round spent on work deferred from earlier rounds (heads 2..h catching
+    up on tokens committed without drafting): not the cost of the round's own choice."""
 
     def start(self, ctx: Context, prompts: list[list[int]], trunk: Trunk,
               pending: torch.Tensor) -> None:
@@ -120,6 +123,7 @@ class HeadChain(Drafter):
 
     def _catch_up(self, ctx: Context) -> None:
         """Run the draft heads over the backlog, the last m committed tokens."""
+        start = ctx.timer.lap()
         m = len(self.backlog)
         h = torch.cat([t[0] for t in self.backlog], dim=1)  # (B, m, d)
         rope = tuple(torch.cat([t[1][i] for t in self.backlog], dim=2) for i in range(2))
@@ -128,6 +132,7 @@ class HeadChain(Drafter):
         ctx.cache.truncate(lengths - m)
         self._run(ctx, (h, rope), m, torch.full_like(lengths, m - 1))
         ctx.cache.truncate(lengths)
+        self.deferred += ctx.timer.last - start
 
     def propose(self, ctx, pending, n) -> Proposal:
         if n and self.backlog:

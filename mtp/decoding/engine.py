@@ -258,5 +258,6 @@ def run(ctx: Context, prompts: list[list[int]], drafter, policy) -> None:
         ctx.stats.count_drafts(prop.n, drafted)
         seconds = ctx.timer.lap() - start
         ctx.stats.round_seconds.setdefault(tuple(prop.tokens.shape), []).append(seconds)
-        policy.observe(prop, seconds)
+        policy.observe(prop, seconds - drafter.deferred)
+        drafter.deferred = 0.0
     drafter.finish(ctx)
