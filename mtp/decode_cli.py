@@ -27,6 +27,7 @@ import torch
 
 from mtp.bench import comma_ints, environment, format_table, write_csv
 from mtp.decoding import DECODERS, PHASES, DecodeStats, Tree, generate, head_accuracy
+from mtp.decoding.policy import Adaptive
 
 # --------------------------------------------------------------------------------------------
 # Arguments shared by both commands, checked before any model loads
@@ -280,13 +281,16 @@ class _Config:
     tree: Tree | None = None
     gamma: int = 0
     adaptive: bool = False
+    policy: Adaptive | None = None  # one for all of the config's calls: it learns across them
     stats: DecodeStats = field(default_factory=DecodeStats)
     seconds: list[float] = field(default_factory=list)  # per prompt batch: median of repeats
     equal: int = 0
     outputs: list[list[int]] = field(default_factory=list)
 
     def kwargs(self, draft, reference) -> dict:
-        kw = {"decoder": self.decoder, "adaptive": self.adaptive}
+        if self.adaptive and self.policy is None:
+            self.policy = Adaptive()
+        kw = {"decoder": self.decoder, "adaptive": self.policy or False}
         if self.decoder in ("self-spec", "tree"):
             kw["n_heads"] = self.n_heads
         if self.tree is not None:

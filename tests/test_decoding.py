@@ -553,3 +553,16 @@ def test_adaptive_policy_scales_costs_to_a_new_batch_size() -> None:
     assert policy.estimate(7, 2) == pytest.approx(9.0 * 20.0 / 10.0)
     assert policy.estimate(7, 1) == pytest.approx(9.0 * 15.0 / 10.0)
     assert policy.estimate(3, 1) is None  # nothing measured at 3 to scale from
+
+
+def test_adaptive_policy_carries_acceptance_across_calls(cyclic_model) -> None:
+    """One policy over many calls judges from all of them, and the output stays greedy's."""
+    from mtp.decoding.policy import Adaptive
+
+    policy = Adaptive()
+    prompts = _cyclic_prompts(cyclic_model, 4, seed=23)
+    for p in prompts:
+        ref, _ = generate(cyclic_model, [p], 24)
+        out, stats = generate(cyclic_model, [p], 24, decoder="self-spec", adaptive=policy)
+        assert out == ref
+    assert sum(policy.offered) > sum(stats.offered) and policy.cost

@@ -112,7 +112,7 @@ def generate(
     tree: Tree | None = None,
     draft_model: MTPTransformer | None = None,
     gamma: int = 4,
-    adaptive: bool = False,
+    adaptive: bool | Adaptive = False,
     reference: Sequence[Sequence[int]] | None = None,
     eot_id: int | None = None,
     stop: Sequence[str] = (),
@@ -139,7 +139,8 @@ def generate(
         draft_model: the drafting model of `draft` (its head 1 is used; same vocabulary).
         gamma: tokens the draft model (or the oracle) proposes per round.
         adaptive: each round verifies only as many drafts as pay at the current batch size and
-            acceptance (`mtp.decoding.policy.Adaptive`); the output is unchanged.
+            acceptance (`mtp.decoding.policy.Adaptive`); the output is unchanged. Pass one
+            `Adaptive` to many calls to keep what it measured from call to call.
         reference: each row's continuation for `oracle` (e.g. greedy's output).
         eot_id: end-of-text token; a row stops after emitting it.
         stop: strings that end a row once its new text contains one (needs `decode`).
@@ -209,7 +210,11 @@ def generate(
         window=window,
         rows=list(range(len(prompts))),
     )
-    run(ctx, prompts, drafter, Adaptive() if adaptive else Fixed())
+    if isinstance(adaptive, Adaptive):
+        policy = adaptive
+    else:
+        policy = Adaptive() if adaptive else Fixed()
+    run(ctx, prompts, drafter, policy)
     stats.seconds = time.perf_counter() - start
     return ctx.stopper.out, stats
 

@@ -261,3 +261,4 @@ def run(ctx: Context, prompts: list[list[int]], drafter, policy) -> None:
         policy.observe(prop, seconds - drafter.deferred)
         drafter.deferred = 0.0
     drafter.finish(ctx)
+    policy.finish(ctx)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from mtp.decoding.engine import Context, Proposal
+from mtp.decoding.stats import add_counts
 
 __all__ = ["Adaptive", "Fixed"]
+
 
 
 class Fixed:
@@ -16,6 +18,9 @@ class Fixed:
 
     def observe(self, prop: Proposal, seconds: float) -> None:
         """A round with `prop` took `seconds`; its acceptance is in the call's stats."""
+
+    def finish(self, ctx: Context) -> None:
+        """The call ended."""
 
 
 class Adaptive(Fixed):
@@ -33,6 +38,10 @@ class Adaptive(Fixed):
     measured when the best choice changes. n = 0 is plain decoding: where speculation does not
     pay, rounds stop drafting, and heads 2..h stop running until drafts are wanted again
     (`HeadChain` catches them up then).
+
+    One instance passed to many `generate` calls of the same model and drafter (as
+    `adaptive=policy`) keeps its costs and acceptance from call to call, so a short call does
+    not judge from its first few rounds alone.
     """
 
     def __init__(self, prior: float = 0.5, prior_weight: float = 2.0, probe_every: int = 16,
@@ -42,10 +51,13 @@ class Adaptive(Fixed):
         self.cost: dict[tuple[int, int], float] = {}
         self.next_probe, self.interval = probe_every, probe_every
         self.rounds, self.best = 0, None
+        self.offered: list[int] = []  # acceptance of earlier calls (see DecodeStats)
+        self.taken: list[int] = []
 
     def expected_tokens(self, ctx: Context, n: int) -> float:
         """E(n): a row's expected new tokens from a round with n drafts."""
-        offered, taken = ctx.stats.offered, ctx.stats.taken
+        offered = add_counts(self.offered, ctx.stats.offered)
+        taken = add_counts(self.taken, ctx.stats.taken)
         total, run = 1.0, 1.0
         for j in range(n):
             o, t = (offered[j], taken[j]) if j < len(offered) else (0, 0)
@@ -83,6 +95,10 @@ class Adaptive(Fixed):
             self.next_probe = self.rounds + self.interval
             return (best + 1 + self.rounds % most) % (most + 1)  # another n than the best
         return best
+
+    def finish(self, ctx: Context) -> None:
+        self.offered = add_counts(self.offered, ctx.stats.offered)
+        self.taken = add_counts(self.taken, ctx.stats.taken)
 
     def observe(self, prop: Proposal, seconds: float) -> None:
         key = (prop.tokens.shape[0], prop.n)

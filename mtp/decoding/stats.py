@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["PHASES", "DecodeStats", "Timer"]
+__all__ = ["PHASES", "DecodeStats", "Timer", "add_counts"]
 
 #: Phases of the time split: the prefill, drafting (heads 2..K or the draft model, and choosing the
 #: drafts), tree building (tree tokens and positions), the verify forward (trunk + head 1 +
@@ -16,7 +16,8 @@ __all__ = ["PHASES", "DecodeStats", "Timer"]
 PHASES = ("prefill", "draft", "tree", "verify", "accept", "cache")
 
 
-def _add_lists(a: list, b: list) -> list:
+def add_counts(a: list[int], b: list[int]) -> list[int]:
+    """Elementwise sum of two count lists of any lengths."""
     n = max(len(a), len(b))
     return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n)]
 
@@ -86,10 +87,10 @@ class DecodeStats:
         self.seconds += other.seconds
         for k, v in other.time.items():
             self.time[k] = self.time.get(k, 0.0) + v
-        self.accepted = _add_lists(self.accepted, other.accepted)
-        self.offered = _add_lists(self.offered, other.offered)
-        self.taken = _add_lists(self.taken, other.taken)
-        self.drafts_chosen = _add_lists(self.drafts_chosen, other.drafts_chosen)
+        self.accepted = add_counts(self.accepted, other.accepted)
+        self.offered = add_counts(self.offered, other.offered)
+        self.taken = add_counts(self.taken, other.taken)
+        self.drafts_chosen = add_counts(self.drafts_chosen, other.drafts_chosen)
         for t, s in other.round_seconds.items():
             self.round_seconds.setdefault(t, []).extend(s)
 
