@@ -1,8 +1,7 @@
 """Drafters: what proposes a round's tokens to the loop of `mtp.decoding.engine`.
 
-A drafter has five hooks: `start` (after the prefill), `propose` (a round's tokens, n drafts per
-row), `commit` (after acceptance: run on the committed tokens), `keep` (rows leave the batch)
-and `finish` (after the last round).
+A drafter has four hooks: `start` (after the prefill), `propose` (a round's tokens, n drafts per
+row), `commit` (after acceptance: run on the committed tokens) and `keep` (rows leave the batch).
 
 - `Drafter` proposes nothing: plain greedy or sampling, one token per forward.
 - `HeadChain`: heads 2..h draft a chain (blockwise parallel decoding, Stern et al. 2018).
@@ -63,9 +62,6 @@ class Drafter:
 
     def keep(self, idx: torch.Tensor) -> None:
         """Rows `idx` go on; the others left the batch."""
-
-    def finish(self, ctx: Context) -> None:
-        """After the last round: leave every cache layer holding the committed tokens."""
 
 
 class HeadChain(Drafter):
@@ -152,10 +148,6 @@ class HeadChain(Drafter):
         # A chain's committed tokens are the first ones of the round.
         nodes = v.path.shape[1] if v.proposal.tree is None else v.path
         self._run(ctx, v.trunk, nodes, v.accepted)
-
-    def finish(self, ctx) -> None:
-        if self.backlog:
-            self._catch_up(ctx)
 
     def keep(self, idx) -> None:
         if self.drafts is not None:

@@ -260,5 +260,4 @@ def run(ctx: Context, prompts: list[list[int]], drafter, policy) -> None:
         ctx.stats.round_seconds.setdefault(tuple(prop.tokens.shape), []).append(seconds)
         policy.observe(prop, seconds - drafter.deferred)
         drafter.deferred = 0.0
-    drafter.finish(ctx)
     policy.finish(ctx)
