@@ -117,6 +117,11 @@ class HeadChain(Drafter):
         self._run(ctx, trunk, trunk[0].shape[1], lengths - 1)
         ctx.cache.truncate(lengths)
 
+    def _catch_up_for(self, ctx: Context, n: int) -> None:
+        """Before a round with n drafts: drafts must come from the last committed token."""
+        if n and self.backlog:
+            self._catch_up(ctx)
+
     def _catch_up(self, ctx: Context) -> None:
         """Run the draft heads over the backlog, the last m committed tokens."""
         start = ctx.timer.lap()
@@ -131,8 +136,7 @@ class HeadChain(Drafter):
         self.deferred += ctx.timer.last - start
 
     def propose(self, ctx, pending, n) -> Proposal:
-        if n and self.backlog:
-            self._catch_up(ctx)
+        self._catch_up_for(ctx, n)
         tokens = torch.cat([pending[:, None], self.drafts[:, :n]], dim=1)
         ctx.timer.lap("draft")
         return Proposal(tokens, n, q=None if self.q is None else self.q[:, :n])
@@ -173,6 +177,7 @@ class HeadTree(HeadChain):
         self.drafts = logits.topk(self.top, dim=-1).indices  # (B, h-1, top)
 
     def propose(self, ctx, pending, n) -> Proposal:
+        self._catch_up_for(ctx, n)
         if n not in self.by_depth:
             self.by_depth[n] = TreeTensors.build(self.tree.pruned(n), pending.device)
         tt = self.by_depth[n]
