@@ -238,39 +238,26 @@ def _loss_worker(spec: dict) -> dict:
     if spec.get("ranks", 1) > 1:
         import tempfile
 
-        import torch.multiprocessing as mp
+        from mtp.parallel import run_ranks
 
         with tempfile.TemporaryDirectory() as tmp:
-            mp.start_processes(_loss_rank, args=(spec, _free_port(), tmp), nprocs=spec["ranks"],
-                               start_method="spawn")
+            run_ranks(_loss_rank, spec["ranks"], spec, tmp,
+                      backend="nccl" if spec["device"] == "cuda" else "gloo")
             per_rank = [json.loads((Path(tmp) / f"{r}.json").read_text())
                         for r in range(spec["ranks"])]
         return {k: max(r[k] for r in per_rank) for k in per_rank[0]}
     return _measure_loss_step(spec)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _loss_rank(rank: int, spec: dict, port: int, out_dir: str) -> None:
-    import torch.distributed as dist
+def _loss_rank(rank: int, world: int, spec: dict, out_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    backend = "nccl" if spec["device"] == "cuda" else "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=spec["ranks"])
     if spec["device"] == "cuda":
         torch.cuda.set_device(rank)
-    mesh = init_device_mesh(spec["device"], (spec["ranks"],))
+    mesh = init_device_mesh(spec["device"], (world,))
     result = _measure_loss_step({**spec, "device": f"{spec['device']}:{rank}"
                                  if spec["device"] == "cuda" else "cpu"}, mesh)
     (Path(out_dir) / f"{rank}.json").write_text(json.dumps(result))
-    dist.destroy_process_group()
 
 
 def _measure_loss_step(spec: dict, mesh=None) -> dict:

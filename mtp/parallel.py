@@ -16,6 +16,12 @@ root unit, which FSDP2 keeps gathered from forward to backward: W is used by all
 
 from __future__ import annotations
 
+import os
+import socket
+import tempfile
+import time
+from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -100,3 +106,55 @@ class FSDPStrategy(ModelParallelStrategy):
             meta = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
             check_checkpoint_config(meta, self.lightning_module.model_cfg)
         return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+
+
+def run_ranks(fn: Callable[..., None], world: int, *args: Any, backend: str = "gloo",
+              timeout: float = 300.0) -> None:
+    """Run `fn(rank, world, *args)` in `world` spawned processes, one process group among them.
+
+    The ranks meet through a file in a fresh temporary directory (no port to pick and race for);
+    gloo talks over the loopback interface. Nothing can hang the caller: the process group's
+    collectives time out after `timeout` seconds, a rank still running then prints every thread's
+    stack to its stderr and exits, and a rank that outlives that is killed. Every process is gone
+    when this returns or raises, so none is left for the interpreter to wait on at exit.
+
+    Raises:
+        torch.multiprocessing.ProcessRaisedException: a rank raised (its traceback included).
+        torch.multiprocessing.ProcessExitedException: a rank died, e.g. on its deadline.
+        TimeoutError: the ranks outlived their deadline by 30 s and were killed.
+    """
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="mtp-ranks-") as tmp:
+        init = f"file://{Path(tmp) / 'rendezvous'}"
+        context = mp.start_processes(_rank_main, args=(fn, world, init, backend, timeout, args),
+                                     nprocs=world, start_method="spawn", join=False)
+        deadline = time.monotonic() + timeout + 30
+        try:
+            while not context.join(timeout=max(0.0, min(5.0, deadline - time.monotonic()))):
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"{world} ranks of {fn.__qualname__} were still running "
+                                       f"{timeout + 30:.0f} s after they started, and were killed")
+        finally:
+            for proc in context.processes:
+                if proc.is_alive():
+                    proc.kill()
+                proc.join()
+
+
+def _rank_main(rank: int, fn: Callable[..., None], world: int, init: str, backend: str,
+               timeout: float, args: tuple) -> None:
+    import faulthandler
+
+    import torch.distributed as dist
+
+    faulthandler.dump_traceback_later(timeout, exit=True)  # stacks to stderr, then exit
+    if backend == "gloo" and "lo" in (name for _, name in socket.if_nameindex()):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout))
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+        faulthandler.cancel_dump_traceback_later()

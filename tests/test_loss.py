@@ -1,13 +1,9 @@
 """The sequential head pass against the naive reference: values, every gradient, memory, DDP."""
 
-import os
-import socket
-
 import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mtp.config import LossConfig, ModelConfig, OptimConfig
@@ -20,6 +16,7 @@ from mtp.loss import (
 )
 from mtp.model import MTPTransformer
 from mtp.module import MTPModule
+from mtp.parallel import run_ranks
 
 
 def _setup(K, *, seed=0, V=101, B=3, T=17, ignore=True, **cfg_kw):
@@ -135,12 +132,6 @@ def test_sequential_pass_never_holds_an_n_by_v_buffer():
             assert probe.largest < N * V, f"a buffer of {probe.largest} elements >= N x V"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class _LossOf(torch.nn.Module):
     """What Lightning's DDP wrapper does: the loss is computed inside the wrapped forward."""
 
@@ -152,9 +143,7 @@ class _LossOf(torch.nn.Module):
         return sequential_mtp_loss(self.model, inputs, targets).loss
 
 
-def _ddp_worker(rank, world, port, state, inputs, targets, out_path):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _ddp_worker(rank, world, state, inputs, targets, out_path):
     torch.set_num_threads(1)
     model = MTPTransformer(ModelConfig(**state["cfg"]))
     model.load_state_dict(state["weights"])
@@ -167,15 +156,13 @@ def _ddp_worker(rank, world, port, state, inputs, targets, out_path):
     if rank == 0:
         torch.save({"loss": total / world,
                     "grads": {n: p.grad for n, p in model.named_parameters()}}, out_path)
-    dist.destroy_process_group()
 
 
 def test_ddp_two_processes_match_one_process(tmp_path):
     model, inputs, targets = _setup(3, B=4, ignore=False)
     state = {"cfg": model.cfg.__dict__, "weights": model.state_dict()}
     out = tmp_path / "ddp.pt"
-    mp.start_processes(_ddp_worker, args=(2, _free_port(), state, inputs, targets, str(out)),
-                       nprocs=2, start_method="spawn")
+    run_ranks(_ddp_worker, 2, state, inputs, targets, str(out), timeout=240)
     result = torch.load(out)
     single = naive_mtp_loss(model, inputs, targets)
     single.loss.backward()

@@ -1,9 +1,10 @@
 """FSDP2 with the sequential head pass: gradients, `mtp fit --trainer.strategy fsdp`, resume."""
 
+import multiprocessing
 import os
-import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,25 +16,18 @@ from mtp.checkpoint import load_checkpoint
 from mtp.config import ModelConfig
 from mtp.loss import IGNORE_INDEX, mtp_inputs_targets, naive_mtp_loss, sequential_mtp_loss
 from mtp.model import MTPTransformer
+from mtp.parallel import run_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _fsdp_worker(rank, world, port, state, inputs, targets, accumulate, out_path):
+def _fsdp_worker(rank, world, state, inputs, targets, accumulate, out_path):
     """One rank: shard the model, run `accumulate` micro-batches of its share, save the full
     gradients (rank 0)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from mtp.parallel import full_model, shard_model
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
     model = MTPTransformer(ModelConfig(**state["cfg"]))
     model.load_state_dict(state["weights"])
@@ -52,7 +46,6 @@ def _fsdp_worker(rank, world, port, state, inputs, targets, accumulate, out_path
     full = full_model(model)
     if rank == 0:
         torch.save({"grads": grads, "weights": full.state_dict()}, out_path)
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("head_type,accumulate", [("block", 1), ("linear", 2)])
@@ -69,8 +62,7 @@ def test_fsdp_gradients_equal_single_process_naive(tmp_path, head_type, accumula
     targets[1, :, :3] = IGNORE_INDEX
     state = {"cfg": cfg.__dict__, "weights": model.state_dict()}
     out = tmp_path / "fsdp.pt"
-    mp.start_processes(_fsdp_worker, nprocs=2, start_method="spawn",
-                       args=(2, _free_port(), state, inputs, targets, accumulate, str(out)))
+    run_ranks(_fsdp_worker, 2, state, inputs, targets, accumulate, str(out), timeout=240)
     result = torch.load(out)
     # the ranks' losses are means over their own tokens: the reference averages the same way
     per_rank = B // 2 // accumulate
@@ -83,6 +75,20 @@ def test_fsdp_gradients_equal_single_process_naive(tmp_path, head_type, accumula
         assert err <= 1e-5, f"{name}: relative error {err:.2e}"
     for name, w in model.state_dict().items():  # the gathered full model is the same model
         torch.testing.assert_close(result["weights"][name], w, rtol=0, atol=0)
+
+
+def _hanging_worker(rank, world):
+    if rank == 1:
+        time.sleep(3600)  # a rank that never reaches the collective below
+    dist.barrier()
+
+
+def test_run_ranks_ends_a_hung_run_and_leaves_no_process():
+    """A hung collective neither hangs the caller nor leaves a process for pytest to wait on at
+    exit: the rank past its deadline prints its stack and exits, the other is killed."""
+    with pytest.raises(mp.ProcessExitedException):
+        run_ranks(_hanging_worker, 2, timeout=5)
+    assert multiprocessing.active_children() == []
 
 
 def _mtp_fit(tmp_path: Path, strategy: str, *extra: str) -> subprocess.CompletedProcess:
