@@ -22,6 +22,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
 
 
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Kill child processes a failed test left behind: the interpreter would wait for them at
+    exit, and a hung one would hold the run until CI's time limit."""
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        child.kill()
+        child.join(5)
+
+
 # Nothing in the tests may reach the Hugging Face hub (a request here fails only after ~25 s).
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
