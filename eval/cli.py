@@ -105,9 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--workers", type=_positive(int), default=default_workers(),
                        help="parallel sandboxes")
         p.add_argument("--timeout", type=_positive(float), default=Limits.timeout,
-                       help="wall-clock seconds per sample")
+                       help="wall-clock seconds per sample, at least (a backstop: a task's grows "
+                            "with its CPU limit)")
+        p.add_argument("--cpu-limit", type=_positive(float), default=None,
+                       help="one CPU limit in seconds for every task (default: per task, a "
+                            "multiple of its reference solution's CPU time on this machine)")
         p.add_argument("--memory-gb", type=_positive(float), default=Limits.memory_bytes / 2**30,
-                       help="address-space limit per sandboxed process (GiB)")
+                       help="memory limit per sample (GiB): address space per process, and all its "
+                            "processes together where a memory cgroup can be made")
         p.add_argument("--isolation", choices=("auto", "bwrap", "unshare", "process"),
                        default="auto", help="sandbox method (auto = strongest available)")
     return parser
@@ -133,7 +138,8 @@ def _run(args: argparse.Namespace) -> int:
     fmt = None
     if args.benchmark == "mbpp":
         fmt = f"mbpp-{args.prompt_format}"
-    limits = Limits(timeout=args.timeout, memory_bytes=int(args.memory_gb * 2**30))
+    limits = Limits(timeout=args.timeout, cpu_seconds=args.cpu_limit,
+                    memory_bytes=int(args.memory_gb * 2**30))
     isolation = detect_isolation(args.isolation)
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     config = GenerationConfig(

@@ -34,9 +34,10 @@ from pathlib import Path
 from typing import Protocol
 
 from mtp.eval.data import Benchmark, DataError, Task, read_jsonl
+from mtp.eval.execution import Execution, TimePolicy, prepare
 from mtp.eval.passk import pass_at_k_table
 from mtp.eval.prompts import build_prompt, default_format, stop_sequences, truncate
-from mtp.eval.sandbox import ExecResult, Isolation, Limits, detect_isolation, run_program
+from mtp.eval.sandbox import ExecResult, Isolation, Limits, detect_isolation
 from tqdm import tqdm
 
 __all__ = [
@@ -241,11 +242,11 @@ def generate(
 class _Scorer:
     """Runs samples on a thread pool (each thread waits on one sandboxed process)."""
 
-    def __init__(self, benchmark: Benchmark, log: JsonlLog | None, workers: int, limits: Limits,
-                 isolation: Isolation, total: int):
+    def __init__(self, benchmark: Benchmark, log: JsonlLog | None, workers: int,
+                 execution: Execution, isolation: Isolation, total: int):
         self.tasks = benchmark.by_id()
         self.log = log
-        self.limits = limits
+        self.execution = execution
         self.isolation = isolation
         self.done = {(r["task_id"], r["sample"]): r for r in (log.records if log else [])}
         self.results: list[dict] = []
@@ -269,12 +270,10 @@ class _Scorer:
 
     def _run(self, record: dict) -> dict:
         task: Task = self.tasks[record["task_id"]]
-        result: ExecResult = run_program(
-            task.program(record["completion"]), task.test, entry_point=task.entry_point,
-            limits=self.limits, isolation=self.isolation,
-        )
+        result: ExecResult = self.execution.run(task, record["completion"], self.isolation)
         out = {**record, "passed": result.passed, "outcome": result.outcome,
-               "error": result.error, "duration": round(result.duration, 3)}
+               "error": result.error, "duration": round(result.duration, 3),
+               "mode": self.execution.plan(task).mode}
         if self.log:
             self.log.append(out)
         return out
@@ -306,6 +305,7 @@ def score(
     workers: int | None = None,
     limits: Limits | None = None,
     isolation: Isolation | None = None,
+    execution: Execution | None = None,
 ) -> list[dict]:
     """Execute every sample (generating them first if a completer is given).
 
@@ -320,18 +320,21 @@ def score(
         output_dir: Where ``samples.jsonl`` (and ``completions.jsonl``) are appended; samples
             already there are not run again. None keeps results in memory only.
         workers: Parallel sandboxes (default: half the cores).
-        limits: Per-sample resource limits.
+        limits: Per-sample resource limits, as given (with ``execution`` None).
         isolation: Sandbox method (default: the strongest available).
+        execution: Per-task plans and calibrated limits (:func:`mtp.eval.execution.prepare`);
+            None runs every task under its default plan with ``limits``.
 
     Returns:
-        One record per sample, with ``passed``, ``outcome``, ``error`` and ``duration``.
+        One record per sample, with ``passed``, ``outcome``, ``error``, ``duration`` and
+        ``mode`` (``calls``, or ``shared`` for the tasks whose tests need more than calls).
 
     Raises:
         DataError: If ``output_dir`` holds a different completion for a sample being scored.
     """
     if (completions is None) == (completer is None):
         raise ValueError("give exactly one of completions and completer")
-    limits = limits or Limits()
+    execution = execution or Execution(limits or Limits(), None)
     isolation = isolation or detect_isolation()
     out = Path(output_dir) if output_dir is not None else None
     log = JsonlLog(out / "samples.jsonl") if out else None
@@ -339,7 +342,8 @@ def score(
     config = config or GenerationConfig()
     total = len(completions) if completions is not None else (
         len(benchmark.tasks) * config.n_samples)
-    scorer = _Scorer(benchmark, log, workers or default_workers(), limits, isolation, total)
+    scorer = _Scorer(benchmark, log, workers or default_workers(), execution, isolation,
+                     total)
     try:
         if completions is not None:
             for record in completions:
@@ -387,6 +391,7 @@ def summarize(
     isolation: Isolation,
     prompt_format: str,
     wall_time: float | None = None,
+    execution: dict | None = None,
 ) -> dict:
     """Aggregate scored samples into the ``summary.json`` content.
 
@@ -398,6 +403,7 @@ def summarize(
         isolation: The isolation that held.
         prompt_format: Which prompt produced the completions (or ``external``).
         wall_time: Seconds the run took.
+        execution: How the samples ran (:meth:`mtp.eval.execution.Execution.describe`).
     """
     per_task: dict[str, list[bool]] = {}
     for r in results:
@@ -424,6 +430,8 @@ def summarize(
         "network_isolated": isolation.network_isolated,
         "versions": _versions(),
     }
+    if execution is not None:
+        summary["execution"] = execution
     if wall_time is not None:
         summary["wall_time_s"] = round(wall_time, 1)
     if missing:
@@ -458,6 +466,8 @@ def evaluate_completions(
     limits: Limits | None = None,
     isolation: Isolation | None = None,
     settings: dict | None = None,
+    policy: TimePolicy | None = TimePolicy(),
+    calibration_cache: Path | None = None,
 ) -> dict:
     """Score completions (given, or generated by ``completer``) and write the summary.
 
@@ -473,6 +483,10 @@ def evaluate_completions(
         limits: Per-sample resource limits.
         isolation: Sandbox method.
         settings: Recorded in the summary as given (the CLI passes its arguments).
+        policy: How each task's CPU limit follows from its reference solution's CPU time on
+            this machine (:mod:`mtp.eval.execution`); None, or a ``limits.cpu_seconds``, keeps
+            ``limits`` fixed for every task.
+        calibration_cache: The file of measured reference times (default: in ``~/.cache/mtp``).
 
     Returns:
         The summary (also written to ``output_dir/summary.json`` when given).
@@ -490,13 +504,28 @@ def evaluate_completions(
                                   benchmark.source, benchmark.shots)
     else:
         fmt = "external"
+    workers = workers or default_workers()
+    ids = {r["task_id"] for r in completions} if completions is not None else None
+    tasks = [t for t in benchmark.tasks if ids is None or t.task_id in ids]
+    execution = _prepare(tasks, limits or Limits(), policy, isolation, workers, calibration_cache)
     results = score(benchmark, completions, completer=completer, config=config,
-                    output_dir=output_dir, workers=workers, limits=limits, isolation=isolation)
+                    output_dir=output_dir, workers=workers, isolation=isolation,
+                    execution=execution)
     summary = summarize(benchmark, results, ks, settings=settings or {}, isolation=isolation,
-                        prompt_format=fmt, wall_time=time.monotonic() - start)
+                        prompt_format=fmt, wall_time=time.monotonic() - start,
+                        execution=execution.describe(tasks))
     if output_dir is not None:
         path = Path(output_dir) / "summary.json"
         tmp = path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(summary, indent=2) + "\n")
         os.replace(tmp, path)  # a crash never leaves half a summary
     return summary
+
+
+def _prepare(tasks: list[Task], limits: Limits, policy: TimePolicy | None, isolation: Isolation,
+             workers: int, cache: Path | None) -> Execution:
+    """`prepare`, with a progress bar for the reference runs it needs."""
+    with tqdm(total=len(tasks), desc="reference times", unit="task", file=sys.stderr,
+              disable=policy is None or limits.cpu_seconds is not None) as bar:
+        return prepare(tasks, base=limits, policy=policy, isolation=isolation, workers=workers,
+                       cache=cache, on_result=lambda task, result: bar.update())

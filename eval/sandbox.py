@@ -1,55 +1,73 @@
-"""Run untrusted completions: one fresh ``python -I`` per sample, inside bubblewrap when possible.
+"""Run untrusted completions: completion and tests in separate sandboxed interpreters.
 
-Layers, outermost first (``bwrap`` mode):
+**Two processes per sample.** The completion runs in one fresh ``python -I -S``; the benchmark's
+tests run in another that never executes completion code. The tests reach the functions they call
+(the entry point) through proxies: each call crosses a pipe as a message, is answered by the
+completion's process, and its result crosses back (:mod:`mtp.eval.inside`, :mod:`mtp.eval.wire`).
+Arguments and results cross as plain data only (None, bool, int, float, complex, str, bytes, and
+lists, tuples, dicts, sets and frozensets of them, matched by exact type), rebuilt on arrival as
+fresh builtin objects; anything else fails the sample with its type named. Exceptions the
+completion raises reach the tests as exceptions of the nearest builtin class, with their args.
+The tests' process reports to the harness on a pipe of its own, which the completion never
+holds; the harness decides with both processes' exit statuses. So none of these can pass:
+
+* a value that lies about equality (an object whose ``__eq__`` is always true, or a subclass of
+  ``int`` or ``str`` with one): it cannot cross;
+* reading or rewriting the harness's memory, walking frames or the heap: the harness is not in
+  the completion's process, and the verdict channel is not among its descriptors;
+* patching builtins or modules, a trace function that skips ``assert``: they change the
+  completion's interpreter only;
+* exiting early (``os._exit(0)``), writing fake verdicts on every descriptor, or printing a
+  marker: the tests see a broken channel, and a broken channel fails the sample whatever the
+  tests do with the exception (``except BaseException`` included);
+* leaving a background process: the completion's process counts and kills the others at the end
+  (the PID namespace or the per-sample uid kills them in any case).
+
+Tasks whose tests need more than calls (MBPP task 367 builds its inputs from the completion's
+``Node`` class) run with ``shared=True``: completion, then tests, in one interpreter, with a
+random token the verdict must carry, the builtins and the tests' modules snapshotted and
+compared, and an audit hook on trace functions. That design does not close the two holes above
+(a completion that walks frames finds the token); :mod:`mtp.eval.execution` decides which tasks
+need it, and the results mark them.
+
+**Layers**, outermost first (``bwrap`` mode), for each of the two interpreters:
 
 * bubblewrap: read-only bind of ``/``; ``/root``, ``/home``, ``/run`` ... hidden under read-only
   tmpfs (the Python installation is bound back when it lives there); a private working directory
   mounted at ``/tmp``; fresh ``/dev`` and ``/proc``; new PID, network, IPC, UTS and cgroup
   namespaces (so there is no network, and everything the sample starts dies with it);
   ``--die-with-parent``, ``--new-session``, ``--clearenv`` and ``no_new_privs``.
-* A fresh uid per sample when the harness runs as root (a random unprivileged uid, dropped to by
-  the wrapper before any untrusted code runs). The kernel exempts root from ``RLIMIT_NPROC``, so
-  this is what lets that limit bound a fork bomb (without root, bwrap's fresh user namespace
-  does, since its process count starts from zero); it also means the sample can signal nothing
-  but its own processes.
-* Resource limits set by the wrapper: address space, CPU time, file size, open files, processes,
-  no core dumps; plus a wall-clock timeout enforced from outside and capped captured output.
+* A fresh uid per interpreter when the harness runs as root (a random unprivileged uid, dropped
+  to before any untrusted code runs). The kernel exempts root from ``RLIMIT_NPROC``, so this is
+  what lets that limit bound a fork bomb (without root, bwrap's fresh user namespace does, since
+  its process count starts from zero); it also means the sample can signal nothing but its own
+  processes, and cannot reach the tests' process, which is in another PID namespace too.
+* Resource limits: address space, CPU time (``Limits.cpu_seconds``, per task from
+  :mod:`mtp.eval.execution`), file size, open files, processes, no core dumps; a memory cgroup
+  for all the completion's processes together where one can be made (``Isolation.memory_cgroup``:
+  cgroup v2, else the v1 memory hierarchy); plus a wall-clock backstop enforced from outside and
+  capped captured output.
 
 Where bubblewrap is missing or refused, :func:`detect_isolation` falls back to ``unshare`` (new
 PID + network namespaces), then to a bare process in its own session; it warns once and the
-result says which isolation held.
+result says which isolation held. In the ``process`` fallback without a fresh uid the
+completion runs as the harness's user and could reach the tests' process (and the host).
 
-How a sample passes. The parent writes a random token into a file the wrapper reads and deletes
-before the completion runs; the wrapper writes ``PASS <token>`` to a private pipe only after the
-tests returned, and the parent requires that line *and* exit status 0. That closes the ways a
-completion could fake a pass:
-
-* exiting early with status 0 (``os._exit(0)``, ``sys.exit(0)``): no token was written;
-* printing a marker: stdout is not the result channel, and the token is unknown to it;
-* patching builtins or test modules: the tests run in their own namespace with a copy of the
-  builtins taken before the completion ran, and any change to the builtins or to a module the
-  tests import (or a replaced ``sys.modules`` entry) fails the sample;
-* skipping ``assert``: the tests are compiled with ``optimize=0`` whatever the flags, and an
-  audit hook fails any sample that installs a trace or profile function (which could jump over
-  lines);
-* leaving a background process: the wrapper fails the sample if any other live process of the
-  sandbox exists when the tests end, and the PID namespace (or the per-sample uid) kills it.
-
-Limits of the isolation: memory is bounded per process (address space), so a fork bomb that
-also allocates can reach ``processes x memory_bytes`` in the worst case (no cgroup is used);
-disk use in the private directory is bounded per file, not in total; in the weakest fallback
-(``process``, no PID namespace, no fresh uid) a double-forked process that calls ``setsid`` and
-``exec`` escapes the clean-up.
-
-What is not closed: code written against this harness's internals (walking the interpreter's
-frames to read the token) and return values that lie about equality (an object whose ``__eq__``
-is always true). Those need a different test design, not a stronger sandbox; the host stays safe
-either way.
+Limits of the isolation: without a memory cgroup, memory is bounded per process (address
+space), so a fork bomb that also allocates can reach ``processes x memory_bytes``; disk use in
+the private directory is bounded per file, not in total; in the weakest fallback (``process``,
+no PID namespace, no fresh uid) a double-forked process that calls ``setsid`` and ``exec``
+escapes the clean-up. The completion's sandbox sees the read-only root, benchmark files
+included: a completion could look answers up, which a sandbox that shows less would close.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
+import marshal
+import math
 import os
 import secrets
 import select
@@ -60,8 +78,11 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from mtp.eval import wire
 
 __all__ = ["ExecResult", "Isolation", "Limits", "detect_isolation", "run_program"]
 
@@ -91,10 +112,12 @@ class Limits:
 
     timeout: float = 20.0
     """Wall-clock seconds before the whole sandbox is killed."""
-    cpu_seconds: int | None = None
-    """RLIMIT_CPU; None means the timeout rounded up."""
+    cpu_seconds: float | None = None
+    """CPU seconds for each process of the completion (RLIMIT_CPU, rounded up to a whole second);
+    None means the timeout. Unlike the wall clock, it does not grow when the machine is busy."""
     memory_bytes: int = 2 << 30
-    """RLIMIT_AS, per process."""
+    """RLIMIT_AS per process, and the whole sample's memory where a memory cgroup is available
+    (``Isolation.memory_cgroup``)."""
     file_bytes: int = 16 << 20
     """RLIMIT_FSIZE: largest file (and captured stdout/stderr) the sample may write."""
     open_files: int = 256
@@ -121,6 +144,9 @@ class Isolation:
     """RLIMIT_NPROC bounds fork bombs: the kernel exempts root, so this needs a fresh uid, or a
     fresh user namespace (its process count starts from zero) when the harness is not root."""
     note: str = ""
+    memory_cgroup: str = ""
+    """``cgroup2`` or ``cgroup1``: each sample's processes share one memory limit in a cgroup of
+    their own; empty where no memory cgroup can be made (the per-process limit still holds)."""
 
     def to_dict(self) -> dict:
         """Return the fields as a JSON-ready dict."""
@@ -141,149 +167,9 @@ class ExecResult:
     """The end of the sample's stdout and stderr, at most ``Limits.output_bytes``."""
     tag: str
     """A random string on the sample's command line, to find stray processes with ``ps``."""
-
-
-# The wrapper runs first inside the sandbox, as ``python -I -B -c _WRAPPER WORKDIR TAG``. It is
-# trusted code: it reads its orders, drops privileges, then runs the completion and the tests.
-_WRAPPER = r'''
-import os, sys
-
-def _harness(workdir):
-    import ast, builtins, importlib, json, resource, types
-
-    spec_path = os.path.join(workdir, ".harness.json")
-    with open(spec_path) as f:
-        spec = json.load(f)
-    os.unlink(spec_path)
-    fd, token, entry_point = spec["result_fd"], spec["token"], spec["entry_point"]
-
-    def reap():
-        """Kill and count the other live processes of this sample."""
-        me, found = os.getpid(), []
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit() or int(entry) in (me, 1):
-                continue
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    stat = f.read().rsplit(")", 1)[1].split()
-                uid = os.stat(f"/proc/{entry}").st_uid
-            except OSError:
-                continue
-            ppid, sid = int(stat[1]), int(stat[3])
-            mine = (spec["proc_scope"] == "all" or ppid == me or sid == os.getsid(0)
-                    or (spec["proc_scope"] == "uid" and uid == os.getuid()))
-            if mine and stat[0] not in "ZX":
-                found.append(int(entry))
-                try:
-                    os.kill(int(entry), 9)
-                except OSError:
-                    pass
-        return len(found)
-
-    def finish(status, detail):
-        try:
-            reap()
-        finally:
-            os.write(fd, (json.dumps({"status": status, "detail": detail[-2000:]}) + "\n"
-                          ).encode())
-            os._exit(1)
-
-    for name, value in spec["rlimits"].items():
-        resource.setrlimit(getattr(resource, name), (value, value))
-    if spec["uid"] is not None:
-        os.setgroups([])
-        os.setgid(spec["uid"])
-        os.setuid(spec["uid"])
-        if os.getuid() == 0 or os.geteuid() == 0:
-            finish("error", "could not drop root")
-    os.chdir(workdir)
-
-    with open("candidate.py") as f:
-        candidate_src = f.read()
-    with open("test.py") as f:
-        test_src = f.read()
-    os.unlink("test.py")
-    test_code = compile(test_src, "test.py", "exec", dont_inherit=True, optimize=0)
-    try:
-        candidate_code = compile(candidate_src, "candidate.py", "exec", dont_inherit=True,
-                                 optimize=0)
-    except BaseException as e:
-        finish("failed", f"{type(e).__name__}: {e}")
-
-    # The modules the tests import, loaded now so a snapshot can prove them untouched later.
-    guarded = {"builtins": builtins}
-    for node in ast.walk(ast.parse(test_src)):
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            names = [node.module]
-        else:
-            continue
-        for name in names:
-            try:
-                importlib.import_module(name)
-            except BaseException:
-                continue  # the test will fail on it in its own words
-            parts = name.split(".")
-            for i in range(1, len(parts) + 1):
-                sub = ".".join(parts[:i])
-                if sub != "sys" and sub in sys.modules:
-                    guarded[sub] = sys.modules[sub]
-    snapshot = {name: dict(vars(mod)) for name, mod in guarded.items()}
-
-    def tampering():
-        for name, mod in guarded.items():
-            if sys.modules.get(name) is not mod:
-                return f"replaced module {name!r}"
-            now = vars(mod)
-            for key, value in snapshot[name].items():
-                if now.get(key, tampering) is not value:
-                    return f"changed {name}.{key}"
-        return ""
-
-    hooked = []
-
-    def audit(event, args):
-        if event in ("sys.settrace", "sys.setprofile"):
-            hooked.append(event)
-
-    sys.addaudithook(audit)
-
-    module = types.ModuleType("candidate")
-    module.__file__ = os.path.join(workdir, "candidate.py")
-    sys.modules["candidate"] = module
-    try:
-        exec(candidate_code, vars(module))
-    except BaseException as e:
-        finish("failed", f"{type(e).__name__}: {e}")
-
-    pristine = snapshot["builtins"]
-    ns = {k: v for k, v in vars(module).items()
-          if not k.startswith("__") and (k not in pristine or k == entry_point)}
-    ns.update(__builtins__=dict(pristine), __name__="__test__")
-    try:
-        exec(test_code, ns)
-    except BaseException as e:
-        finish("failed", f"{type(e).__name__}: {e}")
-
-    if hooked:
-        finish("failed", f"the completion called {hooked[0]}")
-    problem = tampering()
-    if problem:
-        finish("failed", f"the completion tampered with the test environment: {problem}")
-    left = reap()
-    if left:
-        finish("failed", f"left {left} process(es) running")
-    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
-        try:
-            stream.flush()
-        except BaseException:
-            pass
-    os.write(fd, f"PASS {token}\n".encode())
-    os._exit(0)
-
-_harness(sys.argv[1])
-'''
+    cpu: float | None = None
+    """CPU seconds the completion's process reported using, when it passed. Self-reported, so
+    only trustworthy for trusted code: the time limits are calibrated on reference solutions."""
 
 
 _detected: dict[str, Isolation] = {}
@@ -403,6 +289,7 @@ def detect_isolation(requested: str = "auto") -> Isolation:
         _warned = True
         warnings.warn(f"bubblewrap is unavailable ({note}); samples run with weaker isolation: "
                       f"{iso}", RuntimeWarning, stacklevel=2)
+    iso = dataclasses.replace(iso, memory_cgroup=_cgroups().kind)
     _detected[requested] = iso
     return iso
 
@@ -425,15 +312,18 @@ def _probe(method: str, as_root: bool) -> tuple[bool, str]:
     return True, ""
 
 
-def _kill_leftovers(uid: int | None, sid: int, tag: str) -> None:
+def _kill_leftovers(owners: list[tuple[int | None, int, str]]) -> None:
     """Kill every process of the sample and wait until they are gone.
 
-    A process belongs to the sample if it runs as the sample's uid, sits in its session, or
-    carries its tag on the command line (the sandbox's own init process, which the kernel is
-    already tearing down once the outer bwrap exits, but not synchronously). Loops because a fork
-    bomb can outrun a single pass over ``/proc``.
+    `owners` holds a ``(uid, session id, tag)`` per sandboxed interpreter. A process belongs to
+    the sample if it runs as one of those uids, sits in one of those sessions, or carries one of
+    those tags on its command line (the sandbox's own init process, which the kernel is already
+    tearing down once the outer bwrap exits, but not synchronously). Loops because a fork bomb
+    can outrun a single pass over ``/proc``.
     """
-    needle = tag.encode()
+    uids = {uid for uid, _, _ in owners if uid is not None}
+    sids = {sid for _, sid, _ in owners}
+    needles = [tag.encode() for _, _, tag in owners]
     for _ in range(250):
         pids = []
         for entry in os.listdir("/proc"):
@@ -445,10 +335,11 @@ def _kill_leftovers(uid: int | None, sid: int, tag: str) -> None:
                     fields = f.read().rsplit(")", 1)[1].split()
                 if fields[0] in "ZX":
                     continue
-                if owner != uid and int(fields[3]) != sid:
+                if owner not in uids and int(fields[3]) not in sids:
                     with open(f"/proc/{entry}/cmdline", "rb") as f:
-                        if needle not in f.read():
-                            continue
+                        cmdline = f.read()
+                    if not any(needle in cmdline for needle in needles):
+                        continue
             except OSError:
                 continue
             pids.append(int(entry))
@@ -492,23 +383,266 @@ def _rmtree(path: str) -> None:
     shutil.rmtree(path, onerror=onerror)
 
 
+@functools.cache
+def _site_packages() -> list[str]:
+    """The sample interpreter's site-packages directories, asked of it once.
+
+    Samples start with ``-S`` and get these on ``sys.path`` directly: the ``site`` module's
+    processing of ``.pth`` files can cost more than the rest of a sample (70 ms of 120 on a
+    machine whose ``.pth`` imports ``certifi``), and the benchmarks need only the packages
+    themselves (numpy, for the EvalPlus tests)."""
+    proc = subprocess.run([_sample_python(), "-I", "-c",
+                           "import json, site; print(json.dumps(site.getsitepackages()))"],
+                          capture_output=True, text=True, timeout=60)
+    try:
+        return [d for d in json.loads(proc.stdout) if os.path.isdir(d)]
+    except ValueError:
+        return []
+
+
+@functools.cache
+def _program(entry: str) -> bytes:
+    """What a sandboxed interpreter runs, compiled once here (5 ms a start saved): its
+    ``sys.path``, :mod:`mtp.eval.wire`, :mod:`mtp.eval.inside`, then the call of one of the
+    latter's entry points. The sample interpreter is this one's base, so the bytecode fits."""
+    here = Path(__file__).parent
+    source = "\n".join([f"import sys\nsys.path.extend({_site_packages()!r})",
+                        (here / "wire.py").read_text(), (here / "inside.py").read_text(),
+                        f"{entry}(sys.argv[1])", ""])
+    return marshal.dumps(compile(source, "<mtp.eval.inside>", "exec", dont_inherit=True))
+
+
+# The interpreter's command line: run the compiled program that lies in its working directory.
+_BOOT = "import marshal; exec(marshal.loads(open('.program', 'rb').read()))"
+
+
+class _MemoryCgroup:
+    """Memory-limited cgroups for the samples, where this process may create them.
+
+    cgroup v2 (``memory.max``) where the memory controller is enabled below this process's cgroup,
+    else the cgroup v1 memory hierarchy (``memory.limit_in_bytes``), else none (the samples keep
+    the per-process address-space limit only). A sample's interpreters join its cgroup before
+    they start, through a one-line shell, so every process the sample forks is inside it.
+    """
+
+    def __init__(self) -> None:
+        self.kind, self.root = self._find()
+
+    @staticmethod
+    def _find() -> tuple[str, Path | None]:
+        try:
+            own = Path("/proc/self/cgroup").read_text().splitlines()
+            mounts = Path("/proc/self/mountinfo").read_text().splitlines()
+        except OSError:
+            return "", None
+        paths = {}
+        for line in own:  # "0::/path" (v2) or "4:memory:/path" (v1)
+            _, controllers, path = line.split(":", 2)
+            paths["v2" if controllers == "" else controllers] = path
+        found = []
+        for line in mounts:
+            fields = line.split()
+            fstype = fields[fields.index("-") + 1]
+            options = fields[-1].split(",")
+            if fstype == "cgroup2" and "v2" in paths:
+                found.append(("cgroup2", Path(fields[4] + paths["v2"]), "memory.max"))
+            elif fstype == "cgroup" and "memory" in options and "memory" in paths:
+                found.append(("cgroup1", Path(fields[4] + paths["memory"]),
+                              "memory.limit_in_bytes"))
+        for kind, root, knob in sorted(found):  # cgroup1 sorts after cgroup2
+            probe = root / f"mtp-probe-{os.getpid()}-{secrets.token_hex(4)}"
+            try:
+                probe.mkdir()
+            except OSError:
+                continue
+            try:
+                usable = (probe / knob).exists()
+                if usable:
+                    (probe / knob).write_text(str(1 << 30))
+            except OSError:
+                usable = False
+            finally:
+                probe.rmdir()
+            if usable:
+                return kind, root
+        return "", None
+
+    def create(self, tag: str, limit: int) -> Path | None:
+        """A fresh cgroup for one sample, limited to `limit` bytes; None where there is none."""
+        if self.root is None:
+            return None
+        path = self.root / tag
+        try:
+            path.mkdir()
+            if self.kind == "cgroup2":
+                (path / "memory.max").write_text(str(limit))
+                if (path / "memory.swap.max").exists():
+                    (path / "memory.swap.max").write_text("0")
+            else:
+                (path / "memory.limit_in_bytes").write_text(str(limit))
+        except OSError:
+            self.remove(path)
+            return None
+        return path
+
+    @staticmethod
+    def remove(path: Path | None) -> None:
+        """Remove a sample's cgroup once its processes are gone (they may take a moment)."""
+        for _ in range(100):
+            try:
+                if path is not None and path.exists():
+                    path.rmdir()
+                return
+            except OSError:
+                time.sleep(0.01)
+
+
+_memory_cgroups: _MemoryCgroup | None = None
+
+
+def _cgroups() -> _MemoryCgroup:
+    global _memory_cgroups
+    if _memory_cgroups is None:
+        _memory_cgroups = _MemoryCgroup()
+    return _memory_cgroups
+
+
+# Joins the cgroup named by $1, then becomes the rest of the command line.
+_JOIN_CGROUP = 'echo $$ > "$1/cgroup.procs" && shift && exec "$@"'
+
+
+class _Process:
+    """One sandboxed interpreter of a sample, running an entry point of :mod:`mtp.eval.inside`.
+
+    It gets its own directory (``/tmp`` inside bwrap), its own uid where the isolation gives
+    fresh uids, its orders in ``.orders``, and only the pipe ends named in `fds`.
+    """
+
+    def __init__(self, base: str, name: str, entry: str, files: dict[str, str], orders: dict,
+                 fds: tuple[int, ...], rlimits: dict, limits: Limits, isolation: Isolation,
+                 cgroup: Path | None = None) -> None:
+        self.tag = "mtp-sample-" + secrets.token_hex(8)
+        self.uid = secrets.choice(range(*_UID_RANGE)) if isolation.fresh_uid else None
+        self.workdir = os.path.join(base, name)
+        self.out_path = os.path.join(base, name + ".out")
+        os.mkdir(self.workdir, 0o700)
+        if self.uid is not None:
+            os.chown(self.workdir, self.uid, self.uid)
+        scope = "all" if isolation.pid_namespace else ("uid" if self.uid is not None
+                                                       else "session")
+        orders = {**orders, "rlimits": rlimits, "uid": self.uid, "proc_scope": scope}
+        files = {".orders": wire.encode(orders), ".program": _program(entry),
+                 **{name: text.encode("utf-8", "surrogatepass") for name, text in files.items()}}
+        for file, data in files.items():
+            with open(os.path.join(self.workdir, file), "wb") as f:
+                f.write(data)
+            if self.uid is not None:
+                os.chown(os.path.join(self.workdir, file), self.uid, self.uid)
+        if isolation.method == "bwrap":
+            prefix = _bwrap_command(self.workdir, os.geteuid() == 0)
+        elif isolation.method == "unshare":
+            prefix = _unshare_command()
+        else:
+            prefix = []
+        if cgroup is not None:
+            prefix = ["/bin/sh", "-c", _JOIN_CGROUP, "sh", str(cgroup), *prefix]
+        inner = "/tmp" if isolation.method == "bwrap" else self.workdir
+        cmd = prefix + [_sample_python(), "-I", "-S", "-B", "-c", _BOOT, inner, self.tag]
+        with open(self.out_path, "wb") as out:
+            self.proc = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                pass_fds=fds, start_new_session=True, cwd=self.workdir,
+                env=_ENV | {"HOME": self.workdir, "TMPDIR": self.workdir},
+            )
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to `timeout` s for the process to end, leaving it unreaped; True if it did."""
+        return _wait_unreaped(self.proc.pid, max(0.0, timeout))
+
+
+    def output(self, limit: int) -> str:
+        with open(self.out_path, "rb") as f:
+            f.seek(max(0, os.path.getsize(self.out_path) - limit))
+            return f.read().decode(errors="replace")
+
+
+def _kill(procs: list[_Process]) -> list[int]:
+    """Kill the processes and everything they started; their exit statuses."""
+    # Unreaped until now, their pids (the sessions' ids) cannot have been reused, so the
+    # clean-up cannot hit a stranger.
+    for p in procs:
+        try:
+            os.killpg(p.proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+    _kill_leftovers([(p.uid, p.proc.pid, p.tag) for p in procs])
+    return [p.proc.wait() for p in procs]
+
+
+def _rlimits(limits: Limits, cpu: float, processes: bool) -> dict[str, tuple[int, int]]:
+    # SIGXCPU at the soft CPU limit (it ends the process, and tells a CPU timeout apart from a
+    # memory kill); SIGKILL a second later for a process that catches it.
+    soft = max(1, math.ceil(cpu))
+    out = {"RLIMIT_AS": limits.memory_bytes, "RLIMIT_CPU": (soft, soft + 1),
+           "RLIMIT_FSIZE": limits.file_bytes, "RLIMIT_NOFILE": limits.open_files,
+           "RLIMIT_CORE": 0}
+    if processes:
+        out["RLIMIT_NPROC"] = limits.processes
+    return {k: v if isinstance(v, tuple) else (v, v) for k, v in out.items()}
+
+
+def _read_all(fd: int) -> bytes:
+    os.set_blocking(fd, False)
+    data = b""
+    try:
+        while chunk := os.read(fd, 1 << 16):
+            data += chunk
+    except BlockingIOError:
+        pass
+    return data
+
+
+def _death(returncode: int, isolation: Isolation) -> str:
+    """Why a process ended, from its exit status ('' for a plain exit)."""
+    sig = -returncode if returncode < 0 else (returncode - 128 if returncode > 128
+                                              and isolation.method != "process" else 0)
+    if not sig:
+        return ""
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"
+
+
 def run_program(
     candidate: str,
     test: str,
     *,
     entry_point: str = "",
+    proxied: Sequence[str] | None = None,
+    helpers: str = "",
+    shared: bool = False,
     limits: Limits | None = None,
     isolation: Isolation | None = None,
 ) -> ExecResult:
-    """Run one sample in a fresh sandboxed interpreter and report whether its tests passed.
+    """Run one sample in fresh sandboxed interpreters and report whether its tests passed.
+
+    By default completion and tests run in two processes (see the module's docstring); the
+    verdict is the tests' report, read here with both processes' exit statuses.
 
     Args:
         candidate: Untrusted program (for HumanEval: prompt + completion; for MBPP: the
             completion). It runs as module ``candidate``, so ``if __name__ == "__main__"`` blocks
             are skipped.
-        test: Trusted test program, run afterwards in a namespace holding the candidate's globals
-            and untouched builtins; it must raise if the sample is wrong.
-        entry_point: Name the tests call; kept even if it shadows a builtin.
+        test: Trusted test program; it must raise if the sample is wrong.
+        entry_point: The function the tests call.
+        proxied: The names the tests take from the completion, each a function called across
+            the pipe (default: the entry point).
+        helpers: Trusted code run before the tests in their namespace (HumanEval's prompt, whose
+            helper functions some tests call); the completion cannot replace them.
+        shared: Run the completion and the tests in one interpreter instead, with the tests in a
+            namespace holding the candidate's globals and untouched builtins (for tasks whose
+            tests need more than calls).
         limits: Resource limits (defaults: :class:`Limits`).
         isolation: From :func:`detect_isolation` (default: the strongest available).
 
@@ -517,102 +651,87 @@ def run_program(
     """
     limits = limits or Limits()
     isolation = isolation or detect_isolation()
-    tag = "mtp-sample-" + secrets.token_hex(8)
-    token = secrets.token_hex(16)
-    uid = secrets.choice(range(*_UID_RANGE)) if isolation.fresh_uid else None
+    cpu = limits.cpu_seconds or limits.timeout
     base = tempfile.mkdtemp(prefix="mtp-sbx-")
-    workdir = os.path.join(base, "work")
-    os.mkdir(workdir, 0o700)
-    read_fd, write_fd = os.pipe()
+    pipes: list[int] = []
+    procs: list[_Process] = []
+    cgroup = None
     start = time.monotonic()
     try:
-        if uid is not None:
-            os.chown(workdir, uid, uid)
-        inner_dir = "/tmp" if isolation.method == "bwrap" else workdir
-        cpu = limits.cpu_seconds or int(limits.timeout + 0.999)
-        rlimits = {"RLIMIT_AS": limits.memory_bytes, "RLIMIT_CPU": cpu,
-                   "RLIMIT_FSIZE": limits.file_bytes, "RLIMIT_NOFILE": limits.open_files,
-                   "RLIMIT_CORE": 0}
-        if isolation.process_limit:
-            rlimits["RLIMIT_NPROC"] = limits.processes
-        scope = "all" if isolation.pid_namespace else ("uid" if uid is not None else "session")
-        spec = {"result_fd": write_fd, "token": token, "entry_point": entry_point,
-                "rlimits": rlimits, "uid": uid, "proc_scope": scope}
-        for name, text in ((".harness.json", json.dumps(spec)), ("candidate.py", candidate),
-                           ("test.py", test)):
-            with open(os.path.join(workdir, name), "w") as f:
-                f.write(text)
-            if uid is not None:
-                os.chown(os.path.join(workdir, name), uid, uid)
-        if isolation.method == "bwrap":
-            prefix = _bwrap_command(workdir, os.geteuid() == 0)
-        elif isolation.method == "unshare":
-            prefix = _unshare_command()
+        result_r, result_w = os.pipe()
+        pipes += [result_r, result_w]
+        cgroup = _cgroups().create("mtp-" + secrets.token_hex(8), limits.memory_bytes)
+        if shared:
+            token = secrets.token_hex(16)
+            procs.append(_Process(
+                base, "sample", "run_shared", {"candidate.py": candidate, "test.py": test},
+                {"result_fd": result_w, "token": token, "entry_point": entry_point},
+                (result_w,), _rlimits(limits, cpu, isolation.process_limit), limits, isolation,
+                cgroup))
         else:
-            prefix = []
-        cmd = prefix + [_sample_python(), "-I", "-B", "-c", _WRAPPER, inner_dir, tag]
-        out_path = os.path.join(base, "output")
-        with open(out_path, "wb") as out:
-            try:
-                proc = subprocess.Popen(
-                    cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                    pass_fds=(write_fd,), start_new_session=True, cwd=workdir,
-                    env=_ENV | {"HOME": workdir, "TMPDIR": workdir},
-                )
-            except OSError as e:
-                return ExecResult(False, "error", f"could not start the sandbox: {e}",
-                                  time.monotonic() - start, "", tag)
-            os.close(write_fd)
-            write_fd = -1
-            # Wait without reaping: until the process is reaped its pid, which is also the
-            # sample's session id, cannot be reused, so the clean-up below cannot hit a stranger.
-            timed_out = not _wait_unreaped(proc.pid, limits.timeout)
-            # Whatever happened, nothing of the sample may survive it.
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except OSError:
-                pass
-            _kill_leftovers(uid, proc.pid, tag)
-            returncode = proc.wait()
+            calls_r, calls_w = os.pipe()  # tests -> completion
+            replies_r, replies_w = os.pipe()  # completion -> tests
+            pipes += [calls_r, calls_w, replies_r, replies_w]
+            procs.append(_Process(
+                base, "candidate", "serve_candidate", {"candidate.py": candidate},
+                {"calls_fd": calls_r, "replies_fd": replies_w}, (calls_r, replies_w),
+                _rlimits(limits, cpu, isolation.process_limit), limits, isolation, cgroup))
+            procs.append(_Process(
+                base, "tests", "run_tests", {"test.py": test, "helpers.py": helpers},
+                {"calls_fd": calls_w, "replies_fd": replies_r, "result_fd": result_w,
+                 "proxied": list(proxied if proxied is not None else [entry_point])},
+                (calls_w, replies_r, result_w),
+                # the tests' own process: no CPU limit below the wall clock's
+                _rlimits(limits, limits.timeout, isolation.process_limit), limits, isolation))
+        for fd in pipes[1:]:  # the children hold their ends now
+            os.close(fd)
+        pipes = pipes[:1]
+        judge = procs[-1]  # the process whose report is the verdict
+        timed_out = not judge.wait(start + limits.timeout - time.monotonic())
+        candidate_ended = procs[0].wait(0)
+        statuses = _kill(procs)  # whatever happened, nothing of the sample survives
         duration = time.monotonic() - start
-        os.set_blocking(read_fd, False)
-        channel = b""
-        try:
-            while chunk := os.read(read_fd, 1 << 16):
-                channel += chunk
-        except BlockingIOError:
-            pass
-        with open(out_path, "rb") as f:
-            f.seek(max(0, os.path.getsize(out_path) - limits.output_bytes))
-            output = f.read().decode(errors="replace")
+        output = "".join(p.output(limits.output_bytes) for p in procs[:1])[-limits.output_bytes:]
+        channel = _read_all(result_r)
+    except OSError as e:
+        _kill(procs)
+        return ExecResult(False, "error", f"could not run the sample: {e}",
+                          time.monotonic() - start, "", procs[0].tag if procs else "")
     finally:
-        os.close(read_fd)
-        if write_fd >= 0:
-            os.close(write_fd)
+        for fd in pipes:
+            os.close(fd)
+        _MemoryCgroup.remove(cgroup)
         _rmtree(base)
 
-    lines = channel.decode(errors="replace").splitlines()
+    tag = procs[0].tag
+    death = _death(statuses[0], isolation) if candidate_ended else ""
     if timed_out:
         return ExecResult(False, "timeout", f"timed out after {limits.timeout:g} s", duration,
                           output, tag)
-    if returncode == 0 and lines and lines[-1] == f"PASS {token}":
-        return ExecResult(True, "passed", "", duration, output, tag)
-    verdict = None
-    for line in reversed(lines):
-        try:
-            verdict = json.loads(line)
-            break
-        except ValueError:
-            continue
-    if isinstance(verdict, dict) and verdict.get("status") in ("failed", "error"):
-        return ExecResult(False, verdict["status"], str(verdict.get("detail", "")), duration,
-                          output, tag)
-    if returncode < 0:
-        why = f"killed by {signal.Signals(-returncode).name}"
-    elif returncode > 128 and isolation.method == "bwrap":
-        why = f"killed by signal {returncode - 128} (resource limit?)"
-    elif returncode == 0:
+    if death == "SIGXCPU":
+        return ExecResult(False, "timeout", f"used more than {math.ceil(cpu)} s of CPU",
+                          duration, output, tag)
+    # The last message on the channel is the verdict; in shared mode the completion shares the
+    # channel, so a pass must also carry the token it never saw.
+    found = wire.messages(channel)
+    verdict = found[-1] if found and found[-1].get("status") in ("passed", "failed", "error") \
+        else None
+    passed = (verdict is not None and verdict["status"] == "passed" and statuses[-1] == 0
+              and (not shared or verdict.get("token") == token))
+    if passed:
+        cpu = verdict.get("cpu")
+        return ExecResult(True, "passed", "", duration, output, tag,
+                          cpu if type(cpu) is float else None)
+    if verdict is not None and verdict["status"] in ("failed", "error"):
+        why = str(verdict.get("detail", ""))
+        if death and not shared:
+            why += f" (the completion's process was killed by {death})"
+        return ExecResult(False, verdict["status"], why, duration, output, tag)
+    death = _death(statuses[-1], isolation)
+    if death:
+        why = f"killed by {death}" + (" (resource limit?)" if death == "SIGKILL" else "")
+    elif statuses[-1] == 0:
         why = "exited with status 0 before the tests finished"
     else:
-        why = f"exited with status {returncode} before the tests finished"
+        why = f"exited with status {statuses[-1]} before the tests finished"
     return ExecResult(False, "failed", why, duration, output, tag)

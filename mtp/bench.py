@@ -1,4 +1,5 @@
-"""`mtp bench loss | train | kernel | decode`: tables of memory and speed, ratios from one run.
+"""`mtp bench loss | train | kernel | decode | tokenize | sandbox`: tables of memory and
+speed, ratios from one run.
 
 loss    peak memory and time of the loss path (trunk output -> heads -> loss -> dL/dh) for the
         naive pass, the sequential pass with an unfused cross-entropy, and the sequential pass
@@ -9,6 +10,8 @@ train   time of a whole training step (forward, backward, AdamW) at matched para
 kernel  the fused linear cross-entropy alone against the alternatives (`mtp.bench_kernels`).
 decode  the decoders over a prompt set (`mtp.decode_cli`).
 tokenize  tokenising a local corpus with 1 and 2 worker processes (`mtp.bench_tokenize`).
+sandbox   scoring reference solutions with tests in their own process or beside the completion
+        (`mtp.eval.bench`).
 
 Every table is printed and appended to a CSV stamped with hardware, versions and git revision.
 Each loss-path configuration runs in a fresh process, so its peak memory is its own.
@@ -430,6 +433,10 @@ def main(argv: list[str] | None = None) -> int:
         from mtp.decode_cli import bench_main
 
         return bench_main(argv[1:])
+    if argv[:1] == ["sandbox"]:
+        from mtp.eval.bench import main as sandbox_main
+
+        return sandbox_main(argv[1:])
     if argv[:1] == ["tokenize"]:
         from mtp.bench_tokenize import main as tokenize_main
 
@@ -443,6 +450,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="what", required=True)
     sub.add_parser("kernel", help="fused linear cross-entropy alone (see `mtp bench kernel -h`)")
     sub.add_parser("decode", help="decoders over a prompt set (see `mtp bench decode -h`)")
+    sub.add_parser("sandbox", help="evaluation with tests in their own process, against beside "
+                   "the completion (see `mtp bench sandbox -h`)")
     loss_p = p = sub.add_parser("loss", help="loss-path peak memory and time over K")
     p.add_argument("--n", type=int, default=16384 if cuda else 4096, help="tokens N")
     p.add_argument("--d", type=int, default=4096 if cuda else 512, help="width d")

@@ -166,7 +166,7 @@ COMMANDS = {
     "validate": "evaluate a checkpoint's validation loss (LightningCLI)",
     "generate": "decode from a checkpoint with any decoder",
     "eval": "HumanEval / MBPP: generate or score completions, pass@k",
-    "bench": "benchmarks: loss | decode | train",
+    "bench": "benchmarks: loss | train | kernel | decode | tokenize | sandbox",
 }
 
 

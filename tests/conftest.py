@@ -1,6 +1,7 @@
 """Shared pytest setup: GPU auto-skip and the Triton CPU interpreter."""
 
 import os
+import tempfile
 
 import pytest
 import torch
@@ -35,6 +36,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 # Nothing in the tests may reach the Hugging Face hub (a request here fails only after ~25 s).
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
+# Caches (the evaluation's reference times) of this session only, not the user's.
+os.environ.setdefault("MTP_CACHE_DIR", tempfile.mkdtemp(prefix="mtp-test-cache-"))
 
 
 @pytest.fixture(scope="session")

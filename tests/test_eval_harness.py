@@ -9,7 +9,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from mtp.eval import harness
+from mtp.eval import execution
 from mtp.eval.cli import main
 from mtp.eval.data import Benchmark, DataError, load_benchmark
 from mtp.eval.harness import GenerationConfig, JsonlLog, evaluate_completions, score
@@ -105,13 +105,13 @@ def test_interrupted_run_resumes_without_rerunning_or_losing(tmp_path, monkeypat
     bench = _humaneval(3)
     config = GenerationConfig(n_samples=2, batch_size=2)
     executed = Counter()
-    real_run = harness.run_program
+    real_run = execution.run_program
 
     def counting_run(candidate, test, **kw):
         executed[candidate] += 1
         return real_run(candidate, test, **kw)
 
-    monkeypatch.setattr(harness, "run_program", counting_run)
+    monkeypatch.setattr(execution, "run_program", counting_run)
     with pytest.raises(KeyboardInterrupt):
         score(bench, completer=FakeCompleter(bench, "\n", fail_after_calls=2), config=config,
               output_dir=tmp_path, limits=LIMITS)
@@ -141,8 +141,8 @@ def test_truncated_last_line_is_dropped_and_rerun(tmp_path, monkeypatch):
     # A crash while writing the last record: only half of it reached the disk.
     path.write_bytes(b"".join(lines[:-1]) + lines[-1][: len(lines[-1]) // 2])
     calls = []
-    real_run = harness.run_program
-    monkeypatch.setattr(harness, "run_program",
+    real_run = execution.run_program
+    monkeypatch.setattr(execution, "run_program",
                         lambda *a, **kw: calls.append(a) or real_run(*a, **kw))
     with pytest.warns(UserWarning, match="incomplete last line"):
         results = score(bench, completions, output_dir=tmp_path, limits=LIMITS)

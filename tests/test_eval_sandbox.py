@@ -201,14 +201,15 @@ def test_signalling_the_parent_and_others():
     "sys.stdout.flush(); os._exit(0)",
 ])
 @pytest.mark.parametrize("where", ["module", "call"])
-def test_early_exit_with_status_zero_fails(exit_call, where):
+@pytest.mark.parametrize("shared", [False, True], ids=["calls", "shared"])
+def test_early_exit_with_status_zero_fails(exit_call, where, shared):
     body = f"import os, sys\n{exit_call}\n"
     if where == "module":
         candidate = body + "def f():\n    return 0\n"
     else:  # exit from inside the call the tests make
         candidate = "def f():\n" + textwrap.indent(body, "    ") + "    return 0\n"
     assert _naive(candidate) == 0 or "kill" in exit_call  # naively this "passes"
-    result = _run(candidate)
+    result = _run(candidate, shared=shared)
     assert not result.passed, result
 
 
@@ -227,14 +228,16 @@ MATH_TEST = ("import math\n\ndef check(candidate):\n    out = candidate()\n"
     ("import builtins\nclass Fake(Exception):\n    pass\nbuiltins.AssertionError = Fake\n"
      "import sys\nsys.excepthook = lambda *a: None\ndef f():\n    return 0\n", CHECK_ONE),
 ])
-def test_overriding_builtins_and_modules_fails(attack, test):
+@pytest.mark.parametrize("shared", [False, True], ids=["calls", "shared"])
+def test_overriding_builtins_and_modules_fails(attack, test, shared):
     if "AssertionError" not in attack:
         assert _naive(attack, test) == 0  # the hack fools a naive harness
-    result = _run(attack, test)
+    result = _run(attack, test, shared=shared)
     assert not result.passed, result
 
 
-def test_skipping_asserts_with_a_trace_function_fails():
+@pytest.mark.parametrize("shared", [False, True], ids=["calls", "shared"])
+def test_skipping_asserts_with_a_trace_function_fails(shared):
     # Jump from the assert (first line of check's body) to the line after it.
     attack = """
         import sys
@@ -252,32 +255,37 @@ def test_skipping_asserts_with_a_trace_function_fails():
     """
     test = "def check(candidate):\n    assert candidate() == 1\n    pass\n\ncheck(f)\n"
     assert _naive(attack, test) == 0  # the jump really skips the assert
-    result = _run(attack, test)
+    result = _run(attack, test, shared=shared)
     assert not result.passed, result
-    assert "settrace" in result.error
+    # shared: the audit hook sees the tracer; calls: it never reaches the tests' process
+    assert ("settrace" if shared else "AssertionError") in result.error
 
 
-def test_fake_pass_marker_fails():
+@pytest.mark.parametrize("shared", [False, True], ids=["calls", "shared"])
+def test_fake_pass_marker_fails(shared):
     attack = """
-        import json, os
+        import json, os, sys
+        send = sys.modules["__main__"].send  # verdicts in the harness's own format
         print("PASS")
         print("passed")
         for fd in range(3, 64):
             for line in ("PASS 0", json.dumps({"status": "passed"}), "PASS"):
                 try:
                     os.write(fd, (line + "\\n").encode())
+                    send(fd, {"status": "passed", "detail": "", "token": "0" * 32})
                 except OSError:
                     pass
         os._exit(0)
         def f():
             return 0
     """
-    result = _run(attack)
+    result = _run(attack, shared=shared)
     assert not result.passed, result
 
 
 @pytest.mark.parametrize("how", ["popen", "double_fork"])
-def test_background_process_fails_and_dies(how):
+@pytest.mark.parametrize("shared", [False, True], ids=["calls", "shared"])
+def test_background_process_fails_and_dies(how, shared):
     marker = f"{os.getpid()}{time.monotonic_ns() % 10**6}.5"
     if how == "popen":
         spawn = f"subprocess.Popen(['sleep', '{marker}'], start_new_session=True)"
@@ -291,7 +299,7 @@ def f():
     {spawn}
     return 1
 """
-    result = _run(attack)
+    result = _run(attack, shared=shared)
     assert not result.passed, result  # the answer is right, but it left a process behind
     assert "process" in result.error
     time.sleep(0.2)

@@ -1,0 +1,314 @@
+"""How each task's samples run: which process holds what, and the limits that apply.
+
+**Plan.** By default a sample's completion and its tests run in separate processes
+(:func:`mtp.eval.sandbox.run_program`): the tests reach the entry point through calls across a
+pipe and never run completion code. A task whose tests use another name that the completion
+defines (MBPP task 367 builds its inputs from the completion's ``Node`` class) cannot be tested
+through calls; it runs the older way, completion and tests in one guarded interpreter, and its
+results say so. Names the tests take from trusted task code (HumanEval/32's ``poly``, defined by
+its prompt) are defined in the tests' own process from that code.
+
+**Time limits.** Each task's CPU limit is a multiple of its reference solution's own CPU time on
+this machine, with a floor (:class:`TimePolicy`). CPU time, unlike the wall clock, does not grow
+when the machine is busy or ``--workers`` is larger, so the verdicts do not depend on either.
+The reference times are measured once per machine and cached (:func:`calibrate`); the wall
+clock stays as a backstop, well above the CPU limit, for samples that sleep.
+"""
+
+from __future__ import annotations
+
+import builtins
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import symtable
+import warnings
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from mtp.eval.data import Task
+from mtp.eval.sandbox import ExecResult, Isolation, Limits, run_program
+from mtp.eval.wire import NOT_PLAIN
+
+__all__ = ["Calibration", "Execution", "Plan", "TimePolicy", "calibrate", "plan", "prepare",
+           "run_task", "task_limits"]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one task's samples run."""
+
+    shared: bool
+    """Completion and tests in one interpreter (the tests need more than calls)."""
+    proxied: tuple[str, ...]
+    """Names the tests call across the pipe (split runs)."""
+    helpers: str
+    """Trusted task code run in the tests' process first (HumanEval's prompt)."""
+    reason: str = ""
+    """Why the task runs shared."""
+
+    @property
+    def mode(self) -> str:
+        """``calls`` or ``shared``, as recorded in the results."""
+        return "shared" if self.shared else "calls"
+
+
+def _free_names(source: str) -> set[str]:
+    """Global names a program reads without defining them (builtins excluded)."""
+    top = symtable.symtable(source, "test", "exec")
+    defined = {s.get_name() for s in top.get_symbols() if s.is_assigned() or s.is_imported()}
+    read: set[str] = set()
+
+    def walk(table: symtable.SymbolTable) -> None:
+        for s in table.get_symbols():
+            if (table is top and s.is_referenced()) or (table is not top and s.is_global()):
+                read.add(s.get_name())
+        for child in table.get_children():
+            walk(child)
+
+    walk(top)
+    return {n for n in read - defined if not hasattr(builtins, n)}
+
+
+def _defined_names(source: str) -> set[str]:
+    top = symtable.symtable(source, "helpers", "exec")
+    return {s.get_name() for s in top.get_symbols() if s.is_assigned() or s.is_imported()}
+
+
+def plan(task: Task) -> Plan:
+    """Decide how a task's samples run (see the module docstring)."""
+    try:
+        needed = _free_names(task.test) - {task.entry_point}
+        helpers = task.prompt if task.completes_prompt else ""
+        trusted = _defined_names(helpers) - {task.entry_point} if helpers else set()
+    except SyntaxError as e:
+        return Plan(True, (), "", f"the task's test code does not parse here: {e}")
+    from_completion = sorted(needed - trusted)
+    if from_completion:
+        return Plan(True, (), "", f"the tests use {', '.join(from_completion)} from the "
+                    f"completion, not only calls to {task.entry_point}")
+    return Plan(False, (task.entry_point,), helpers if needed & trusted else "")
+
+
+def run_task(task: Task, completion: str, limits: Limits, isolation: Isolation,
+             how: Plan | None = None) -> ExecResult:
+    """Run one sample of a task under `how` (default: its :func:`plan`)."""
+    p = how or plan(task)
+    return run_program(task.program(completion), task.test, entry_point=task.entry_point,
+                       proxied=p.proxied, helpers=p.helpers, shared=p.shared, limits=limits,
+                       isolation=isolation)
+
+
+@dataclass(frozen=True)
+class TimePolicy:
+    """A task's CPU limit: ``max(floor, factor x its reference solution's CPU seconds)``."""
+
+    factor: float = 4.0
+    floor: float = 2.0
+    """CPU seconds; covers the interpreter's start and the quick tasks, whose reference times
+    are mostly start-up."""
+    wall_factor: float = 3.0
+    """The wall-clock backstop: ``max(Limits.timeout, wall_factor x CPU limit + 5 s)``."""
+
+    def cpu_limit(self, reference_cpu: float) -> float:
+        """The CPU limit, in seconds, of a task whose reference takes `reference_cpu`."""
+        return max(self.floor, self.factor * reference_cpu)
+
+    def to_dict(self) -> dict:
+        """The policy, for ``summary.json``."""
+        return dataclasses.asdict(self)
+
+
+def task_limits(base: Limits, policy: TimePolicy, reference: float | None) -> Limits:
+    """The limits for one task: `base` with the policy's CPU limit and wall-clock backstop.
+
+    A task without a reference time (none could be measured) keeps `base` unchanged."""
+    if reference is None:
+        return base
+    cpu = policy.cpu_limit(reference)
+    return dataclasses.replace(base, cpu_seconds=cpu,
+                               timeout=max(base.timeout, policy.wall_factor * cpu + 5.0))
+
+
+def _cache_dir() -> Path:
+    if os.environ.get("MTP_CACHE_DIR"):
+        return Path(os.environ["MTP_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mtp"
+
+
+def machine_key() -> str:
+    """What the reference times depend on: the CPU model, core count and Python build."""
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return (f"{model} x{os.cpu_count()} | {platform.python_implementation()} "
+            f"{platform.python_version()}")
+
+
+def _task_key(task: Task) -> str:
+    """Names a task's reference run: its program and tests, hashed."""
+    h = hashlib.sha256()
+    for part in (task.task_id, task.program(task.canonical_solution), task.test):
+        h.update(part.encode("utf-8", "surrogatepass") + b"\0")
+    return h.hexdigest()[:24]
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What the reference solutions showed on this machine: their CPU seconds, and the tasks
+    whose reference answers cannot cross as plain data (a ``collections.Counter``, say), which
+    therefore run shared: a right completion may return what the reference returns."""
+
+    cpu: dict[str, float | None]
+    """Task id to the reference's CPU seconds; None where the reference did not pass."""
+    shared: dict[str, str]
+    """Task id to why it runs shared, for the tasks the reference moved there."""
+    path: Path | None
+    """The cache file."""
+
+    def plan(self, task: Task) -> Plan:
+        """The task's plan: :func:`plan`, or shared where its reference needs it."""
+        if task.task_id in self.shared:
+            return Plan(True, (), "", self.shared[task.task_id])
+        return plan(task)
+
+
+def calibrate(
+    tasks: Iterable[Task],
+    *,
+    isolation: Isolation,
+    workers: int,
+    limits: Limits | None = None,
+    cache: Path | None = None,
+    on_result: Callable[[Task, ExecResult], None] | None = None,
+) -> Calibration:
+    """Run each task's reference solution where the cache has no result for this machine.
+
+    A reference runs in the sandbox under its task's plan with `limits` (the defaults:
+    generous); one that fails only because its answer is not plain data runs again shared, and
+    its task runs shared from then on. A reference that does not pass gets None and a warning
+    naming it: its task then runs with `limits` alone. New results are added to the cache file,
+    which is replaced atomically (an interrupted run leaves the old file whole).
+    """
+    limits = limits or Limits()
+    path = cache or _cache_dir() / "eval-reference-cpu.json"
+    key = machine_key()
+    try:
+        stored = json.loads(path.read_text())
+        known = dict(stored["tasks"]) if stored.get("machine") == key else {}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        known = {}
+    tasks = list(tasks)
+    todo = [t for t in tasks if _task_key(t) not in known]
+
+    def measure(task: Task) -> tuple[Task, ExecResult, str]:
+        p = plan(task)
+        result = run_task(task, task.canonical_solution, limits, isolation, p)
+        if not p.shared and not result.passed and NOT_PLAIN in result.error:
+            why = f"the reference solution's answer cannot cross: {result.error}"
+            result = run_task(task, task.canonical_solution, limits, isolation,
+                              Plan(True, (), "", why))
+            return task, result, why
+        return task, result, ""
+
+    if todo:
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            for task, result, why in pool.map(measure, todo):
+                if on_result:
+                    on_result(task, result)
+                cpu = result.cpu if result.passed else None
+                if cpu is None:
+                    warnings.warn(f"{task.task_id}: the reference solution does not pass here "
+                                  f"({result.outcome}: {result.error[:200]}); its samples run "
+                                  f"without a calibrated CPU limit", stacklevel=2)
+                known[_task_key(task)] = {"cpu": None if cpu is None else round(cpu, 4),
+                                          "shared": why}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"machine": key, "tasks": known}, indent=0, sort_keys=True))
+        os.replace(tmp, path)
+    entries = {t.task_id: known[_task_key(t)] for t in tasks}
+    return Calibration({k: v["cpu"] for k, v in entries.items()},
+                       {k: v["shared"] for k, v in entries.items() if v["shared"]}, path)
+
+
+def limits_table(tasks: Iterable[Task], base: Limits, policy: TimePolicy,
+                 calibration: Calibration) -> dict[str, Limits]:
+    """Each task's limits (see :func:`task_limits`)."""
+    return {t.task_id: task_limits(base, policy, calibration.cpu.get(t.task_id)) for t in tasks}
+
+
+@dataclass
+class Execution:
+    """Everything a run needs to execute its samples: each task's plan and limits."""
+
+    base: Limits
+    """The limits given; the calibrated CPU limit and wall clock replace theirs per task."""
+    policy: TimePolicy | None
+    """None: `base` applies to every task as given (fixed limits)."""
+    calibration: Calibration | None = None
+    table: dict[str, Limits] = dataclasses.field(default_factory=dict)
+
+    def plan(self, task: Task) -> Plan:
+        """The task's plan (the calibration's, when there is one)."""
+        return self.calibration.plan(task) if self.calibration else plan(task)
+
+    def limits(self, task_id: str) -> Limits:
+        """The task's limits."""
+        return self.table.get(task_id, self.base)
+
+    def run(self, task: Task, completion: str, isolation: Isolation) -> ExecResult:
+        """Run one sample of `task`."""
+        return run_task(task, completion, self.limits(task.task_id), isolation, self.plan(task))
+
+    def describe(self, tasks: Iterable[Task]) -> dict:
+        """How the run executed, for ``summary.json``: modes per task and the limits."""
+        tasks = list(tasks)
+        plans = {t.task_id: self.plan(t) for t in tasks}
+        cpu = {t.task_id: self.limits(t.task_id).cpu_seconds for t in tasks}
+        return {
+            "modes": {"calls": sum(not p.shared for p in plans.values()),
+                      "shared": {k: p.reason for k, p in sorted(plans.items()) if p.shared}},
+            "limits": {
+                "policy": self.policy.to_dict() if self.policy else "fixed",
+                "machine": machine_key(),
+                "reference_cache": str(self.calibration.path) if self.calibration else None,
+                "cpu_enforced_as": "RLIMIT_CPU of each process of the completion, rounded up to "
+                                   "a whole second",
+                "cpu_seconds": {k: None if v is None else round(v, 3)
+                                for k, v in sorted(cpu.items())},
+                "wall_seconds_max": max((self.limits(t.task_id).timeout for t in tasks),
+                                        default=self.base.timeout),
+                "memory_bytes": self.base.memory_bytes,
+                "uncalibrated_tasks": sorted(k for k, v in cpu.items() if v is None),
+            },
+        }
+
+
+def prepare(
+    tasks: Iterable[Task],
+    *,
+    base: Limits,
+    policy: TimePolicy | None,
+    isolation: Isolation,
+    workers: int,
+    cache: Path | None = None,
+    on_result: Callable[[Task, ExecResult], None] | None = None,
+) -> Execution:
+    """Plans and limits for `tasks`: calibrated from the reference solutions (measured where the
+    cache lacks them) unless `policy` is None or `base` fixes the CPU limit already."""
+    if policy is None or base.cpu_seconds is not None:
+        return Execution(base, None)
+    tasks = list(tasks)
+    calibration = calibrate(tasks, isolation=isolation, workers=workers, cache=cache,
+                            on_result=on_result)
+    return Execution(base, policy, calibration, limits_table(tasks, base, policy, calibration))
