@@ -5,8 +5,10 @@
 pipe and never run completion code. A task whose tests use another name that the completion
 defines (MBPP task 367 builds its inputs from the completion's ``Node`` class) cannot be tested
 through calls; it runs the older way, completion and tests in one guarded interpreter, and its
-results say so. Names the tests take from trusted task code (HumanEval/32's ``poly``, defined by
-its prompt) are defined in the tests' own process from that code.
+results say so. So does a task whose reference answer cannot cross (MBPP tasks 40 and 88 return
+a ``collections.Counter``), found when the reference is measured. Names the tests take from
+trusted task code (HumanEval/32's ``poly``, defined by its prompt) are defined in the tests' own
+process from that code.
 
 **Time limits.** Each task's CPU limit is a multiple of its reference solution's own CPU time on
 this machine, with a floor (:class:`TimePolicy`). CPU time, unlike the wall clock, does not grow
@@ -32,7 +34,7 @@ from pathlib import Path
 
 from mtp.eval.data import Task
 from mtp.eval.sandbox import ExecResult, Isolation, Limits, run_program
-from mtp.eval.wire import NOT_PLAIN
+from mtp.eval.wire import NOT_PLAIN, TOO_LARGE
 
 __all__ = ["Calibration", "Execution", "Plan", "TimePolicy", "calibrate", "plan", "prepare",
            "run_task", "task_limits"]
@@ -162,6 +164,10 @@ def _task_key(task: Task) -> str:
     return h.hexdigest()[:24]
 
 
+CALIBRATION_LIMITS = Limits(timeout=300.0)
+"""The limits a reference solution is measured under (trusted code: time is all it may need)."""
+
+
 @dataclass(frozen=True)
 class Calibration:
     """What the reference solutions showed on this machine: their CPU seconds, and the tasks
@@ -193,13 +199,15 @@ def calibrate(
 ) -> Calibration:
     """Run each task's reference solution where the cache has no result for this machine.
 
-    A reference runs in the sandbox under its task's plan with `limits` (the defaults:
-    generous); one that fails only because its answer is not plain data runs again shared, and
-    its task runs shared from then on. A reference that does not pass gets None and a warning
-    naming it: its task then runs with `limits` alone. New results are added to the cache file,
-    which is replaced atomically (an interrupted run leaves the old file whole).
+    A reference runs in the sandbox under its task's plan with `limits` (default:
+    `CALIBRATION_LIMITS`, generous in time: MBPP+ task 599's reference takes 40 s); one that
+    fails only because its answer cannot cross (not plain data, or too large) runs again
+    shared, and its task runs shared from then on. A reference that does not pass gets None
+    and a warning naming it: its task then runs with the run's limits as given. New results
+    are added to the cache file, which is replaced atomically (an interrupted run leaves the old
+    file whole).
     """
-    limits = limits or Limits()
+    limits = limits or CALIBRATION_LIMITS
     path = cache or _cache_dir() / "eval-reference-cpu.json"
     key = machine_key()
     try:
@@ -213,7 +221,8 @@ def calibrate(
     def measure(task: Task) -> tuple[Task, ExecResult, str]:
         p = plan(task)
         result = run_task(task, task.canonical_solution, limits, isolation, p)
-        if not p.shared and not result.passed and NOT_PLAIN in result.error:
+        if not p.shared and not result.passed and (NOT_PLAIN in result.error
+                                                   or TOO_LARGE in result.error):
             why = f"the reference solution's answer cannot cross: {result.error}"
             result = run_task(task, task.canonical_solution, limits, isolation,
                               Plan(True, (), "", why))
@@ -309,6 +318,7 @@ def prepare(
     if policy is None or base.cpu_seconds is not None:
         return Execution(base, None)
     tasks = list(tasks)
-    calibration = calibrate(tasks, isolation=isolation, workers=workers, cache=cache,
-                            on_result=on_result)
+    generous = dataclasses.replace(base, timeout=max(base.timeout, CALIBRATION_LIMITS.timeout))
+    calibration = calibrate(tasks, isolation=isolation, workers=workers, limits=generous,
+                            cache=cache, on_result=on_result)
     return Execution(base, policy, calibration, limits_table(tasks, base, policy, calibration))

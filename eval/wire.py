@@ -26,7 +26,9 @@ MAX_MESSAGE_BYTES = 64 << 20
 MAX_DEPTH = 200
 """The deepest nesting of containers that is encoded or decoded."""
 NOT_PLAIN = "(not plain data)"
-"""Ends the message of every refusal to encode."""
+"""Ends the message of every refusal to encode a type."""
+TOO_LARGE = "(too large to cross)"
+"""Ends the message of a refusal to send a message over `MAX_MESSAGE_BYTES`."""
 
 
 class NotPlainData(TypeError):
@@ -161,7 +163,8 @@ def send(fd, message):
     """
     body = encode(message)
     if len(body) > MAX_MESSAGE_BYTES:
-        raise NotPlainData(f"a message of {len(body)} bytes (the limit is {MAX_MESSAGE_BYTES})")
+        raise NotPlainData(f"a message of {len(body)} bytes, over {MAX_MESSAGE_BYTES} "
+                           f"{TOO_LARGE}")
     _write_all(fd, _SIZE.pack(len(body)) + body)
 
 

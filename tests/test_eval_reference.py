@@ -71,9 +71,14 @@ def test_plus_reference_subset_passes(name, file):
     assert evaluate_completions(bench, completions=completions, ks=[1])["pass@1"] == 1.0
 
 
-# The EvalPlus references that fail their own tests: defects of the data, not of the harness.
-# Filled from the full runs below (`pytest -m slow tests/test_eval_reference.py`).
-PLUS_DEFECTS: dict[str, dict[str, str]] = {"humaneval+": {}, "mbpp+": {}}
+# The EvalPlus references that fail under the default limits: defects of the data, not of the
+# harness (`pytest -m slow tests/test_eval_reference.py` runs every reference).
+PLUS_DEFECTS = {
+    "humaneval+": {"HumanEval/32": "the OriginFmt test unpacks a float: TypeError: Value after "
+                                   "* must be an iterable, not float"},
+    "mbpp+": {"Mbpp/255": "an extreme input whose answer (1.2 GB as plain data) needs more "
+                          "than the default 2 GiB"},
+}
 
 
 @pytest.mark.slow
