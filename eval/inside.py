@@ -157,11 +157,11 @@ def run_tests(workdir):
         test_code = compile(f.read(), "test.py", "exec", dont_inherit=True, optimize=0)
     with open("helpers.py") as f:
         helpers_code = compile(f.read(), "prompt.py", "exec", dont_inherit=True, optimize=0)
-    broken = []  # (status, detail) of the first failure of the channel
+    broken = []  # the verdict of the first failure of the channel: (status, detail, extras)
 
-    def fail(detail, status="failed"):
+    def fail(detail, status="failed", **extra):
         if not broken:
-            broken.append((status, detail))
+            broken.append((status, detail, extra))
         raise _Broken(detail)
 
     def receive(what, expected):
@@ -171,8 +171,8 @@ def run_tests(workdir):
             reply = recv(replies)
         except Exception as e:  # ProtocolError, OSError
             fail(f"the completion's process sent a bad reply {what}: {e}")
-        if reply is None:
-            fail(f"the completion's process ended {what}")
+        if reply is None:  # `ended`: the harness then waits to learn how it ended
+            fail(f"the completion's process ended {what}", ended=True)
         if len(reply) != 1 or not all(k in expected and (expected[k] is None
                                                          or type(v) is expected[k])
                                       for k, v in reply.items()):
@@ -205,7 +205,7 @@ def run_tests(workdir):
             except NotPlainData as e:  # the task's doing, not the completion's
                 fail(f"the tests pass {name} an argument that cannot cross: {e}", "error")
             except OSError:
-                fail(f"the completion's process ended before a call to {name}")
+                fail(f"the completion's process ended before a call to {name}", ended=True)
             reply = receive(f"during a call to {name}", call_replies)
             if "value" in reply:
                 return reply["value"]
@@ -225,7 +225,7 @@ def run_tests(workdir):
             rebuild(raised)  # checks its fields
             _report(result_fd, "failed", f"{raised['type']}: {raised['message']}")
     except _Broken:
-        _report(result_fd, *broken[0])
+        _report(result_fd, broken[0][0], broken[0][1], **broken[0][2])
     namespace = {"__name__": "__test__"}
     try:
         exec(helpers_code, namespace)
@@ -241,13 +241,14 @@ def run_tests(workdir):
         if not broken:
             _report(result_fd, "failed", f"{type(e).__name__}: {e}")
     if broken:
-        _report(result_fd, *broken[0])
+        _report(result_fd, broken[0][0], broken[0][1], **broken[0][2])
     try:
         send(calls, {"finish": True})
         done = receive("after the tests", {"done": dict})["done"]
     except (_Broken, OSError):
-        _report(result_fd, *(broken[0] if broken else ("failed", "the completion's process "
-                                                       "ended")))
+        status, detail, extra = broken[0] if broken else (
+            "failed", "the completion's process ended", {"ended": True})
+        _report(result_fd, status, detail, **extra)
     if done.get("left"):
         _report(result_fd, "failed", f"left {done['left']} process(es) running")
     cpu = done.get("cpu")

@@ -688,11 +688,15 @@ def run_program(
         pipes = pipes[:1]
         judge = procs[-1]  # the process whose report is the verdict
         timed_out = not judge.wait(start + limits.timeout - time.monotonic())
-        candidate_ended = procs[0].wait(0)
+        channel = _read_all(result_r)
+        found = wire.messages(channel)
+        # The tests saw the completion's process end: wait (briefly) to learn how, from its
+        # exit status (the outer sandbox process may trail its child by a moment).
+        ended = bool(found) and found[-1].get("ended") is True
+        candidate_ended = procs[0].wait(5.0 if ended and not timed_out else 0)
         statuses = _kill(procs)  # whatever happened, nothing of the sample survives
         duration = time.monotonic() - start
         output = "".join(p.output(limits.output_bytes) for p in procs[:1])[-limits.output_bytes:]
-        channel = _read_all(result_r)
     except OSError as e:
         _kill(procs)
         return ExecResult(False, "error", f"could not run the sample: {e}",
@@ -713,7 +717,6 @@ def run_program(
                           duration, output, tag)
     # The last message on the channel is the verdict; in shared mode the completion shares the
     # channel, so a pass must also carry the token it never saw.
-    found = wire.messages(channel)
     verdict = found[-1] if found and found[-1].get("status") in ("passed", "failed", "error") \
         else None
     passed = (verdict is not None and verdict["status"] == "passed" and statuses[-1] == 0
