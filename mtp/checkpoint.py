@@ -42,8 +42,14 @@ def save_checkpoint(path: str | os.PathLike, model: MTPTransformer, tokenizer: T
 def load_checkpoint(
     path: str | os.PathLike, *, device: str | torch.device = "cpu"
 ) -> tuple[MTPTransformer, Tokenizer]:
-    """The model (in eval mode, on `device`) and tokenizer stored in a checkpoint."""
+    """The model (in eval mode, on `device`) and tokenizer stored in a checkpoint, or in a
+    directory written by `mtp export hf` (`mtp.hf.load_export`)."""
     path = Path(path)
+    if path.is_dir():
+        from mtp.hf import load_export
+
+        model, tokenizer = load_export(path)
+        return model.to(device), tokenizer
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     ckpt = torch.load(path, map_location="cpu", weights_only=True)

@@ -167,6 +167,7 @@ COMMANDS = {
     "generate": "decode from a checkpoint with any decoder",
     "eval": "HumanEval / MBPP: generate or score completions, pass@k",
     "bench": "benchmarks: loss | train | kernel | decode | tokenize | sandbox",
+    "export": "write a checkpoint as a transformers directory (`mtp export hf`)",
 }
 
 
@@ -197,6 +198,10 @@ def main(argv: list[str] | None = None) -> int:
         from mtp.bench import main as bench_main
 
         return bench_main(rest)
+    if cmd == "export":
+        from mtp.hf import export_main
+
+        return export_main(rest)
     print(f"mtp: unknown command {cmd!r}; choose from {', '.join(COMMANDS)}", file=sys.stderr)
     return 2
 

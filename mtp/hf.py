@@ -1,0 +1,269 @@
+"""Hugging Face interop: an mtp model as a transformers `LlamaForCausalLM` directory, and back.
+
+`mtp export hf --ckpt CKPT --output DIR` writes, in transformers' `save_pretrained` layout:
+
+* ``config.json`` and ``model.safetensors``: a `LlamaForCausalLM` of ``n_trunk_layers + 1``
+  layers, the trunk blocks then head 1's block, with the shared final norm and unembedding, so
+  its logits are head 1's. The conversion is exact: the fused ``qkv`` and ``gate_up`` maps are
+  split into Llama's projections, and the query and key rows of each attention head are
+  reordered from mtp's rotary layout (channels 2i, 2i+1 rotate together) to Llama's (channels i,
+  i + hd/2), which leaves every attention score unchanged.
+* ``tokenizer.json``, ``tokenizer_config.json`` (a fast tokenizer whose ``eos_token`` is
+  ``<|endoftext|>``) and ``generation_config.json``.
+* ``mtp_config.json`` (the model config) and ``mtp_heads.safetensors`` (heads 2..K, in mtp's own
+  names): nothing of the model is lost, and `load_export` rebuilds it whole.
+
+transformers is not needed to write or read such a directory (only safetensors); it is the
+reader this layout is for. A model the Llama layout cannot hold exactly is refused with why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+from mtp.config import ModelConfig
+from mtp.model import MTPTransformer
+
+MTP_CONFIG = "mtp_config.json"
+MTP_HEADS = "mtp_heads.safetensors"
+FORMAT_VERSION = 1
+
+
+class ExportError(ValueError):
+    """A model or directory that cannot be exported or read back; the message says why."""
+
+
+def _rope_order(head_dim: int) -> torch.Tensor:
+    """Llama's channel j of a head is mtp's channel `order[j]` (evens, then odds)."""
+    return torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)])
+
+
+def _to_llama_rows(w: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
+    """Reorder the output rows of a query or key projection from mtp's rotary layout."""
+    return w.view(n_heads, head_dim, -1)[:, _rope_order(head_dim)].reshape(w.shape)
+
+
+def _from_llama_rows(w: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
+    inverse = torch.argsort(_rope_order(head_dim))
+    return w.view(n_heads, head_dim, -1)[:, inverse].reshape(w.shape)
+
+
+def _check_exportable(cfg: ModelConfig) -> None:
+    if cfg.head_type != "block":
+        raise ExportError(
+            f"head 1 is a linear map (--model.head_type {cfg.head_type}); a LlamaForCausalLM's "
+            f"layers are transformer blocks, so its logits cannot be head 1's")
+
+
+def llama_config(cfg: ModelConfig, tokenizer: Tokenizer, dtype: torch.dtype) -> dict:
+    """The ``config.json`` of the `LlamaForCausalLM` whose logits are head 1's."""
+    from mtp.checkpoint import EOT_TOKEN
+
+    eot = tokenizer.token_to_id(EOT_TOKEN)
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.ffn_dim,
+        "num_hidden_layers": cfg.n_trunk_layers + 1,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "initializer_range": cfg.init_std,
+        "bos_token_id": None,
+        "eos_token_id": eot,
+        "pad_token_id": None,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def _layer_to_llama(block: torch.nn.Module, cfg: ModelConfig, prefix: str) -> dict:
+    hd, h, hkv = cfg.head_dim, cfg.n_heads, cfg.kv_heads
+    q, k, v = block.attn.qkv.weight.detach().split([h * hd, hkv * hd, hkv * hd])
+    gate, up = block.mlp.gate_up.weight.detach().chunk(2)
+    return {
+        f"{prefix}.input_layernorm.weight": block.attn_norm.weight.detach(),
+        f"{prefix}.self_attn.q_proj.weight": _to_llama_rows(q, h, hd),
+        f"{prefix}.self_attn.k_proj.weight": _to_llama_rows(k, hkv, hd),
+        f"{prefix}.self_attn.v_proj.weight": v,
+        f"{prefix}.self_attn.o_proj.weight": block.attn.proj.weight.detach(),
+        f"{prefix}.post_attention_layernorm.weight": block.mlp_norm.weight.detach(),
+        f"{prefix}.mlp.gate_proj.weight": gate,
+        f"{prefix}.mlp.up_proj.weight": up,
+        f"{prefix}.mlp.down_proj.weight": block.mlp.down.weight.detach(),
+    }
+
+
+def llama_state(model: MTPTransformer) -> dict[str, torch.Tensor]:
+    """The `LlamaForCausalLM` weights of head 1 (trunk, head 1's block, norm, unembedding)."""
+    cfg = model.cfg
+    _check_exportable(cfg)
+    state = {"model.embed_tokens.weight": model.embed.weight.detach(),
+             "model.norm.weight": model.norm.weight.detach()}
+    for i, block in enumerate([*model.blocks, model.heads[0]]):
+        state.update(_layer_to_llama(block, cfg, f"model.layers.{i}"))
+    if not cfg.tie_embeddings:  # tied: transformers ties lm_head to the embedding itself
+        state["lm_head.weight"] = model.unembed.weight.detach()
+    return {k: v.contiguous() for k, v in state.items()}
+
+
+def _layer_from_llama(state: dict, cfg: ModelConfig, prefix: str) -> dict:
+    hd, h, hkv = cfg.head_dim, cfg.n_heads, cfg.kv_heads
+
+    def get(name: str) -> torch.Tensor:
+        try:
+            return state[f"{prefix}.{name}.weight"]
+        except KeyError:
+            raise ExportError(f"model.safetensors has no {prefix}.{name}.weight") from None
+
+    qkv = torch.cat([_from_llama_rows(get("self_attn.q_proj"), h, hd),
+                     _from_llama_rows(get("self_attn.k_proj"), hkv, hd), get("self_attn.v_proj")])
+    return {"attn_norm.weight": get("input_layernorm"), "attn.qkv.weight": qkv,
+            "attn.proj.weight": get("self_attn.o_proj"),
+            "mlp_norm.weight": get("post_attention_layernorm"),
+            "mlp.gate_up.weight": torch.cat([get("mlp.gate_proj"), get("mlp.up_proj")]),
+            "mlp.down.weight": get("mlp.down_proj")}
+
+
+def export(model: MTPTransformer, tokenizer: Tokenizer, output: str | os.PathLike) -> Path:
+    """Write `model` and `tokenizer` as a transformers directory (see the module docstring).
+
+    The directory is written beside `output` and renamed into place at the end, so an
+    interrupted export leaves nothing under that name.
+
+    Raises:
+        ExportError: If the model cannot be held by the Llama layout, or `output` exists and is
+            not an empty directory.
+    """
+    from safetensors.torch import save_file
+
+    from mtp.checkpoint import EOT_TOKEN, check_vocab
+
+    output = Path(output)
+    if output.exists() and not (output.is_dir() and not any(output.iterdir())):
+        raise ExportError(f"--output {output} exists and is not an empty directory; nothing "
+                          f"was written (choose a new directory)")
+    cfg = model.cfg
+    check_vocab(tokenizer, cfg, source="the checkpoint")
+    state = llama_state(model)
+    heads = {f"heads.{i}.{name}": t.detach().contiguous()
+             for i, head in enumerate(model.heads) if i > 0
+             for name, t in head.state_dict().items()}
+    dtype = model.embed.weight.dtype
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+    try:
+        save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+        if heads:
+            save_file(heads, tmp / MTP_HEADS, metadata={"format": "pt"})
+        _write_json(tmp / "config.json", llama_config(cfg, tokenizer, dtype))
+        eot = tokenizer.token_to_id(EOT_TOKEN)
+        _write_json(tmp / "generation_config.json",
+                    {"eos_token_id": eot, "pad_token_id": eot, "do_sample": False})
+        tokenizer.save(str(tmp / "tokenizer.json"))
+        _write_json(tmp / "tokenizer_config.json", {
+            "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOT_TOKEN,
+            "pad_token": EOT_TOKEN, "model_max_length": cfg.max_seq_len,
+            "clean_up_tokenization_spaces": False})
+        _write_json(tmp / MTP_CONFIG, {"format_version": FORMAT_VERSION,
+                                       "model_config": dataclasses.asdict(cfg)})
+        if output.exists():
+            output.rmdir()  # empty, checked above
+        os.replace(tmp, output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return output
+
+
+def is_export(path: str | os.PathLike) -> bool:
+    """Whether `path` is a directory written by `export`."""
+    return (Path(path) / MTP_CONFIG).is_file()
+
+
+def load_export(path: str | os.PathLike) -> tuple[MTPTransformer, Tokenizer]:
+    """Rebuild the model (every head) and tokenizer of an exported directory, in eval mode.
+
+    Raises:
+        ExportError: If the directory is not an mtp export, or its files do not fit together.
+    """
+    from safetensors.torch import load_file
+
+    from mtp.checkpoint import check_vocab
+
+    path = Path(path)
+    if not is_export(path):
+        raise ExportError(f"{path} is not an mtp export (no {MTP_CONFIG}; `mtp export hf` writes "
+                          f"one)")
+    meta = json.loads((path / MTP_CONFIG).read_text())
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ExportError(f"{path / MTP_CONFIG}: format_version {meta.get('format_version')!r}, "
+                          f"this mtp reads {FORMAT_VERSION}")
+    cfg = ModelConfig(**meta["model_config"])
+    _check_exportable(cfg)
+    llama = load_file(path / "model.safetensors")
+    heads = load_file(path / MTP_HEADS) if (path / MTP_HEADS).is_file() else {}
+    state = {"embed.weight": llama["model.embed_tokens.weight"],
+             "norm.weight": llama["model.norm.weight"],
+             "unembed.weight": llama.get("lm_head.weight", llama["model.embed_tokens.weight"])}
+    for i in range(cfg.n_trunk_layers + 1):
+        into = f"blocks.{i}" if i < cfg.n_trunk_layers else "heads.0"
+        layer = _layer_from_llama(llama, cfg, f"model.layers.{i}")
+        state.update({f"{into}.{k}": v for k, v in layer.items()})
+    state.update(heads)
+    model = MTPTransformer(cfg)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ExportError(f"{path}: weights do not fit the config (missing {missing[:4]}, "
+                          f"unexpected {unexpected[:4]})")
+    tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+    check_vocab(tokenizer, cfg, source=str(path))
+    return model.eval(), tokenizer
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2) + "\n")
+
+
+def export_main(argv: list[str]) -> int:
+    """`mtp export hf --ckpt CKPT --output DIR`."""
+    parser = argparse.ArgumentParser(prog="mtp export", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="format", required=True)
+    p = sub.add_parser("hf", help="a transformers LlamaForCausalLM directory (head 1), with the "
+                                  "other heads beside it")
+    p.add_argument("--ckpt", required=True, help="mtp checkpoint (or exported directory)")
+    p.add_argument("--output", required=True, type=Path, help="new directory to write")
+    args = parser.parse_args(argv)
+    from mtp.checkpoint import load_checkpoint
+
+    try:
+        model, tokenizer = load_checkpoint(args.ckpt)
+        out = export(model, tokenizer, args.output)
+    except (ExportError, FileNotFoundError, ValueError) as e:
+        print(f"mtp export: error: {e}", file=sys.stderr)
+        return 2
+    n = model.cfg.n_future
+    print(f"wrote {out}: LlamaForCausalLM of {model.cfg.n_trunk_layers + 1} layers (head 1)"
+          + (f", heads 2..{n} in {MTP_HEADS}" if n > 1 else ""))
+    return 0

@@ -1,0 +1,120 @@
+"""`mtp export hf`: transformers reads head 1 as a LlamaForCausalLM, and mtp reads it all back."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from mtp.checkpoint import EOT_TOKEN, load_checkpoint, save_checkpoint
+from mtp.config import ModelConfig
+from mtp.data import train_tokenizer
+from mtp.decoding import generate
+from mtp.hf import ExportError, export, load_export
+from mtp.model import MTPTransformer
+
+TEXTS = ["def add(a, b):\n    return a + b\n", "for i in range(10):\n    print(i)\n",
+         "class Point:\n    def __init__(self, x, y):\n        self.x, self.y = x, y\n"] * 20
+MTP = [str(Path(sys.executable).parent / "mtp")]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_tokenizer(TEXTS, 300, 1 << 20)
+
+
+def _model(K=4, n_kv_heads=None, tie=False, head_type="block", seed=0) -> MTPTransformer:
+    torch.manual_seed(seed)
+    cfg = ModelConfig(vocab_size=320, d_model=64, n_layers=2, n_heads=4, n_kv_heads=n_kv_heads,
+                      n_future=K, max_seq_len=64, tie_embeddings=tie, head_type=head_type,
+                      rope_theta=500.0, norm_eps=1e-6)
+    model = MTPTransformer(cfg).eval()
+    with torch.no_grad():  # norm gains away from 1, so a misplaced norm shows
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+@pytest.mark.parametrize("K, n_kv_heads, tie", [(1, None, False), (4, None, False),
+                                                (4, 2, False), (4, 1, True)],
+                         ids=["K1", "K4", "K4-gqa", "K4-mqa-tied"])
+def test_transformers_logits_are_head_1s(tmp_path, tokenizer, K, n_kv_heads, tie):
+    model = _model(K, n_kv_heads, tie)
+    export(model, tokenizer, tmp_path / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert type(hf).__name__ == "LlamaForCausalLM"
+    ids = torch.randint(0, 320, (3, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(ids, n_heads=1)[0]
+        got = hf(ids).logits
+    rel = (got - want).norm() / want.norm()
+    assert rel <= 1e-5, f"relative error {rel:.2e}"
+
+
+def test_round_trip_equals_the_original_in_every_parameter(tmp_path, tokenizer):
+    for tie in (False, True):
+        model = _model(4, 2, tie)
+        out = export(model, tokenizer, tmp_path / f"hf-{tie}")
+        back, tok = load_checkpoint(out)
+        assert back.cfg == model.cfg and tok.to_str() == tokenizer.to_str()
+        want = model.state_dict()
+        got = back.state_dict()
+        assert got.keys() == want.keys()
+        for name, w in want.items():
+            assert torch.equal(got[name], w), name
+
+
+def test_tokenizer_and_greedy_generation_agree_with_transformers(tmp_path, tokenizer):
+    model = _model(4)
+    export(model, tokenizer, tmp_path / "hf")
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    text = "def add(a, b):\n    return a"
+    assert hf_tok(text)["input_ids"] == tokenizer.encode(text).ids
+    assert hf_tok.eos_token == EOT_TOKEN
+    assert hf_tok.eos_token_id == tokenizer.token_to_id(EOT_TOKEN)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    prompt = tokenizer.encode(text).ids
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)
+    ours, _ = generate(model, [prompt], 20, decoder="greedy")
+    assert out[0, len(prompt):].tolist() == ours[0]
+
+
+def test_bad_exports_are_refused_and_nothing_is_overwritten(tmp_path, tokenizer):
+    with pytest.raises(ExportError, match="linear map"):
+        export(_model(head_type="linear"), tokenizer, tmp_path / "linear")
+    assert not (tmp_path / "linear").exists()
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "keep.txt").write_text("mine")
+    with pytest.raises(ExportError, match="not an empty directory"):
+        export(_model(), tokenizer, taken)
+    assert [p.name for p in taken.iterdir()] == ["keep.txt"]
+    assert (taken / "keep.txt").read_text() == "mine"
+    with pytest.raises(ExportError, match="not an mtp export"):
+        load_export(taken)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary left
+
+
+def test_cli_exports_and_the_directory_serves_as_a_checkpoint(tmp_path, tokenizer):
+    ckpt = tmp_path / "model.ckpt"
+    save_checkpoint(ckpt, _model(4), tokenizer)
+    proc = subprocess.run([*MTP, "export", "hf", "--ckpt", str(ckpt), "--output",
+                           str(tmp_path / "hf")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "heads 2..4 in mtp_heads.safetensors" in proc.stdout
+    again = subprocess.run([*MTP, "export", "hf", "--ckpt", str(ckpt), "--output",
+                            str(tmp_path / "hf")], capture_output=True, text=True)
+    assert again.returncode == 2 and "not an empty directory" in again.stderr
+    assert "Traceback" not in again.stderr
+    gen = subprocess.run([*MTP, "generate", "--ckpt", str(tmp_path / "hf"), "--prompt",
+                          "def add(", "--max-new-tokens", "12", "--decoder", "self-spec",
+                          "--compare", "greedy"], capture_output=True, text=True)
+    assert gen.returncode == 0, gen.stderr
+    assert "speedup" in gen.stdout + gen.stderr
