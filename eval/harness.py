@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Protocol
 
 from mtp.eval.data import Benchmark, DataError, Task, read_jsonl
-from mtp.eval.execution import Execution, TimePolicy, prepare
+from mtp.eval.execution import Execution, TimePolicy, data_paths, prepare
 from mtp.eval.passk import pass_at_k_table
 from mtp.eval.prompts import build_prompt, default_format, stop_sequences, truncate
 from mtp.eval.sandbox import ExecResult, Isolation, Limits, detect_isolation
@@ -334,7 +334,7 @@ def score(
     """
     if (completions is None) == (completer is None):
         raise ValueError("give exactly one of completions and completer")
-    execution = execution or Execution(limits or Limits(), None)
+    execution = execution or Execution(limits or Limits(), None, hide=data_paths(benchmark))
     isolation = isolation or detect_isolation()
     out = Path(output_dir) if output_dir is not None else None
     log = JsonlLog(out / "samples.jsonl") if out else None
@@ -507,7 +507,8 @@ def evaluate_completions(
     workers = workers or default_workers()
     ids = {r["task_id"] for r in completions} if completions is not None else None
     tasks = [t for t in benchmark.tasks if ids is None or t.task_id in ids]
-    execution = _prepare(tasks, limits or Limits(), policy, isolation, workers, calibration_cache)
+    execution = _prepare(tasks, limits or Limits(), policy, isolation, workers, calibration_cache,
+                         data_paths(benchmark))
     results = score(benchmark, completions, completer=completer, config=config,
                     output_dir=output_dir, workers=workers, isolation=isolation,
                     execution=execution)
@@ -523,9 +524,9 @@ def evaluate_completions(
 
 
 def _prepare(tasks: list[Task], limits: Limits, policy: TimePolicy | None, isolation: Isolation,
-             workers: int, cache: Path | None) -> Execution:
+             workers: int, cache: Path | None, hide: tuple[str, ...]) -> Execution:
     """`prepare`, with a progress bar for the reference runs it needs."""
     with tqdm(total=len(tasks), desc="reference times", unit="task", file=sys.stderr,
               disable=policy is None or limits.cpu_seconds is not None) as bar:
         return prepare(tasks, base=limits, policy=policy, isolation=isolation, workers=workers,
-                       cache=cache, on_result=lambda task, result: bar.update())
+                       cache=cache, on_result=lambda task, result: bar.update(), hide=hide)

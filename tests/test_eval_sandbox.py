@@ -345,7 +345,7 @@ def test_no_bwrap_falls_back_and_warns_once(monkeypatch, how):
                             lambda name: None if name == "bwrap" else real_which(name))
     else:  # present, but fails to set up the sandbox (e.g. user namespaces disabled)
         monkeypatch.setattr(sandbox, "_bwrap_command",
-                            lambda workdir, as_root: ["bwrap", "--no-such-option", "--"])
+                            lambda workdir, as_root, hide=(): ["bwrap", "--no-such-option", "--"])
     monkeypatch.setattr(sandbox, "_detected", {})
     monkeypatch.setattr(sandbox, "_warned", False)
     with pytest.warns(RuntimeWarning, match="bubblewrap is unavailable"):
