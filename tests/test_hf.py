@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from tokenizers import Tokenizer
 
 from mtp.checkpoint import EOT_TOKEN, load_checkpoint, save_checkpoint
 from mtp.config import ModelConfig
@@ -118,3 +119,13 @@ def test_cli_exports_and_the_directory_serves_as_a_checkpoint(tmp_path, tokenize
                           "--compare", "greedy"], capture_output=True, text=True)
     assert gen.returncode == 0, gen.stderr
     assert "speedup" in gen.stdout + gen.stderr
+
+
+def test_a_tokenizer_larger_than_the_embedding_is_refused(tmp_path, tokenizer):
+    out = export(_model(2), tokenizer, tmp_path / "hf")
+    bigger = Tokenizer.from_str(tokenizer.to_str())
+    bigger.add_tokens([f"extra{i}" for i in range(400)])
+    bigger.save(str(out / "tokenizer.json"))
+    n = bigger.get_vocab_size()
+    with pytest.raises(ValueError, match=f"has {n} tokens but the model's vocabulary"):
+        load_checkpoint(out)
