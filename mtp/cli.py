@@ -9,6 +9,7 @@ CPU default: a K = 4 model on the Python standard library, in minutes on two cor
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -96,7 +97,18 @@ class MTPCLI(LightningCLI):
     def instantiate_classes(self) -> None:
         self.config_init = self.parser.instantiate_classes(self.config)
         c = self.config_init[self.subcommand] if self.subcommand else self.config_init
-        run = RunConfig(model=c.model, data=c.data, optim=c.optim, loss=c.loss,
+        model, data = c.model, c.data
+        if model.init_from is not None:  # the pretrained model's shape and tokenizer
+            from mtp.hf import ExportError, pretrained_config
+
+            try:
+                model = pretrained_config(model.init_from, model)
+            except ExportError as e:
+                raise ConfigError(str(e)) from None
+            if data.tokenizer is None:
+                data = dataclasses.replace(data, tokenizer=str(Path(model.init_from)
+                                                               / "tokenizer.json"))
+        run = RunConfig(model=model, data=data, optim=c.optim, loss=c.loss,
                         compile=c.compile)  # cross-checks
         self.run_config = run
         self.trainer_defaults = {**self.trainer_defaults,

@@ -55,6 +55,13 @@ class ModelConfig:
     """Share the input embedding with the unembedding (untied by default, as in the paper)."""
     init_std: float = 0.02
     """Standard deviation of the normal weight initialisation."""
+    attn_bias: bool = False
+    """Biases on the query, key and value projections (Qwen2's layout)."""
+    init_from: str | None = None
+    """A local transformers checkpoint of the Llama family (Llama, Mistral, Qwen2) to start
+    from: its shape replaces the other `--model.*` shape flags, its layers become the trunk and
+    head 1, heads 2..K start as copies of its last layer, and its `tokenizer.json` becomes the
+    default `--data.tokenizer` (`mtp.hf.pretrained_config`)."""
 
     def __post_init__(self) -> None:
         p = []
@@ -258,6 +265,12 @@ class OptimConfig:
     """AdamW betas."""
     eps: float = 1e-8
     """AdamW epsilon."""
+    train: Literal["all", "heads"] = "all"
+    """`heads`: only heads 2..K learn; the trunk, head 1, embedding, final norm and unembedding
+    stay as they are (Medusa-1 on an `--model.init_from` model)."""
+    pretrained_lr_scale: float = 1.0
+    """The learning rate of the trunk, head 1, embedding, final norm and unembedding, as a
+    fraction of `lr`; heads 2..K learn at `lr` (below 1: Medusa-2's joint training)."""
 
     def __post_init__(self) -> None:
         p = []
@@ -273,6 +286,9 @@ class OptimConfig:
             p.append(f"--optim.weight_decay must be >= 0 (got {self.weight_decay})")
         if not all(0.0 <= b < 1.0 for b in self.betas):
             p.append(f"--optim.betas must lie in [0, 1) (got {self.betas})")
+        if not 0.0 < self.pretrained_lr_scale <= 1.0:
+            p.append(f"--optim.pretrained_lr_scale must be in (0, 1] (got "
+                     f"{self.pretrained_lr_scale})")
         _raise_if(p)
 
 
@@ -319,6 +335,8 @@ class RunConfig:
                 f"--data.seq_len ({self.data.seq_len}) exceeds --model.max_seq_len "
                 f"({self.model.max_seq_len})"
             )
+        if self.optim.train == "heads" and self.model.n_future < 2:
+            p.append("--optim.train heads trains heads 2..K, but --model.n_future is 1")
         w = self.loss.head_weights
         if w is not None and len(w) != self.model.n_future:
             p.append(

@@ -382,7 +382,8 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
 def _check_tokenizer(tok: Tokenizer, vocab_size: int, source: str) -> None:
     if tok.token_to_id(EOT_TOKEN) is None:
         raise ValueError(f"--data.tokenizer {source} has no {EOT_TOKEN} token")
-    if tok.get_vocab_size() != vocab_size:
+    # fewer tokens than embedding rows is fine (pretrained models pad their embeddings)
+    if tok.get_vocab_size() > vocab_size:
         raise ValueError(f"--data.tokenizer {source} has a vocabulary of {tok.get_vocab_size()} "
                          f"tokens but --model.vocab_size is {vocab_size}")
 

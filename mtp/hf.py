@@ -70,24 +70,27 @@ def llama_config(cfg: ModelConfig, tokenizer: Tokenizer, dtype: torch.dtype) -> 
     from mtp.checkpoint import EOT_TOKEN
 
     eot = tokenizer.token_to_id(EOT_TOKEN)
+    # Llama's attention_bias would add an output-projection bias too; Qwen2 is the layout with
+    # biases on the query, key and value projections only.
+    arch, kind = ("Qwen2ForCausalLM", "qwen2") if cfg.attn_bias else ("LlamaForCausalLM", "llama")
+    extra = {"use_sliding_window": False, "sliding_window": None} if cfg.attn_bias else {
+        "attention_bias": False, "mlp_bias": False, "head_dim": cfg.head_dim}
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [arch],
+        "model_type": kind,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
         "intermediate_size": cfg.ffn_dim,
         "num_hidden_layers": cfg.n_trunk_layers + 1,
         "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.kv_heads,
-        "head_dim": cfg.head_dim,
         "hidden_act": "silu",
         "max_position_embeddings": cfg.max_seq_len,
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
         "rope_scaling": None,
-        "attention_bias": False,
         "attention_dropout": 0.0,
-        "mlp_bias": False,
+        **extra,
         "tie_word_embeddings": cfg.tie_embeddings,
         "initializer_range": cfg.init_std,
         "bos_token_id": None,
@@ -101,7 +104,13 @@ def _layer_to_llama(block: torch.nn.Module, cfg: ModelConfig, prefix: str) -> di
     hd, h, hkv = cfg.head_dim, cfg.n_heads, cfg.kv_heads
     q, k, v = block.attn.qkv.weight.detach().split([h * hd, hkv * hd, hkv * hd])
     gate, up = block.mlp.gate_up.weight.detach().chunk(2)
-    return {
+    biases = {}
+    if block.attn.qkv.bias is not None:
+        bq, bk, bv = block.attn.qkv.bias.detach().split([h * hd, hkv * hd, hkv * hd])
+        biases = {f"{prefix}.self_attn.q_proj.bias": _to_llama_rows(bq[:, None], h, hd)[:, 0],
+                  f"{prefix}.self_attn.k_proj.bias": _to_llama_rows(bk[:, None], hkv, hd)[:, 0],
+                  f"{prefix}.self_attn.v_proj.bias": bv}
+    return biases | {
         f"{prefix}.input_layernorm.weight": block.attn_norm.weight.detach(),
         f"{prefix}.self_attn.q_proj.weight": _to_llama_rows(q, h, hd),
         f"{prefix}.self_attn.k_proj.weight": _to_llama_rows(k, hkv, hd),
@@ -134,11 +143,22 @@ def _layer_from_llama(state: dict, cfg: ModelConfig, prefix: str) -> dict:
         try:
             return state[f"{prefix}.{name}.weight"]
         except KeyError:
-            raise ExportError(f"model.safetensors has no {prefix}.{name}.weight") from None
+            raise ExportError(f"the weights have no {prefix}.{name}.weight") from None
 
     qkv = torch.cat([_from_llama_rows(get("self_attn.q_proj"), h, hd),
                      _from_llama_rows(get("self_attn.k_proj"), hkv, hd), get("self_attn.v_proj")])
-    return {"attn_norm.weight": get("input_layernorm"), "attn.qkv.weight": qkv,
+    biases = {}
+    if cfg.attn_bias:
+        def bias(name: str, heads: int) -> torch.Tensor:
+            try:
+                b = state[f"{prefix}.self_attn.{name}.bias"]
+            except KeyError:
+                raise ExportError(f"the weights have no {prefix}.self_attn.{name}.bias") from None
+            return b if name == "v_proj" else _from_llama_rows(b[:, None], heads, hd)[:, 0]
+
+        biases = {"attn.qkv.bias": torch.cat([bias("q_proj", h), bias("k_proj", hkv),
+                                              bias("v_proj", hkv)])}
+    return biases | {"attn_norm.weight": get("input_layernorm"), "attn.qkv.weight": qkv,
             "attn.proj.weight": get("self_attn.o_proj"),
             "mlp_norm.weight": get("post_attention_layernorm"),
             "mlp.gate_up.weight": torch.cat([get("mlp.gate_proj"), get("mlp.up_proj")]),
@@ -239,6 +259,112 @@ def load_export(path: str | os.PathLike) -> tuple[MTPTransformer, Tokenizer]:
     tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
     check_vocab(tokenizer, cfg, source=str(path))
     return model.eval(), tokenizer
+
+
+SUPPORTED = ("llama", "mistral", "qwen2")
+
+
+def pretrained_config(path: str | os.PathLike, cfg: ModelConfig) -> ModelConfig:
+    """The model config of `--model.init_from PATH`: the shape of the transformers checkpoint
+    at `path` (its ``n - 1`` first layers as the trunk, its last as head 1), with `cfg`'s K,
+    context length and initialisation scale.
+
+    Raises:
+        ExportError: If `path` is not a local checkpoint of a supported family, or uses what
+            mtp's blocks cannot reproduce exactly (rotary scaling, another activation, MLP or
+            output-projection biases, a sliding window shorter than the context, a head width
+            other than width / heads); the message names it.
+    """
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ExportError(f"--model.init_from {path}: no config.json (a local transformers "
+                          f"checkpoint directory, as save_pretrained writes it, is needed)")
+    hf = json.loads(config_file.read_text())
+    kind = hf.get("model_type")
+    if kind not in SUPPORTED:
+        raise ExportError(f"--model.init_from {path}: model_type {kind!r} is not a supported "
+                          f"causal LM ({', '.join(SUPPORTED)})")
+    problems = []
+    # transformers 5 writes `rope_parameters`, earlier versions `rope_theta` and `rope_scaling`
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        problems.append(f"rotary scaling {rope}")
+    if hf.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act {hf['hidden_act']!r}")
+    if hf.get("mlp_bias"):
+        problems.append("mlp_bias")
+    if kind != "qwen2" and hf.get("attention_bias"):
+        problems.append("attention_bias (an output-projection bias)")
+    n_heads, d = hf["num_attention_heads"], hf["hidden_size"]
+    if hf.get("head_dim") not in (None, d // n_heads):
+        problems.append(f"head_dim {hf['head_dim']} (not hidden_size / num_attention_heads)")
+    window = hf.get("sliding_window") if hf.get("use_sliding_window", kind == "mistral") else None
+    if window is not None and window < cfg.max_seq_len:
+        problems.append(f"a sliding window of {window} below --model.max_seq_len "
+                        f"{cfg.max_seq_len}")
+    if cfg.head_type != "block" or cfg.matched_params:
+        problems.append("--model.head_type linear or --model.matched_params (the pretrained "
+                        "layers fix the heads' shape)")
+    if problems:
+        raise ExportError(f"--model.init_from {path}: mtp cannot reproduce {'; '.join(problems)}")
+    theta = hf.get("rope_theta") or rope.get("rope_theta", 10000.0)
+    n_layers = hf["num_hidden_layers"]
+    if n_layers < 2:
+        raise ExportError(f"--model.init_from {path}: {n_layers} layer; a trunk and head 1 "
+                          f"need 2 at least")
+    return dataclasses.replace(
+        cfg, vocab_size=hf["vocab_size"], d_model=d, n_layers=n_layers - 1, n_heads=n_heads,
+        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+        ffn_hidden=hf["intermediate_size"], rope_theta=float(theta),
+        norm_eps=hf.get("rms_norm_eps", 1e-6), tie_embeddings=bool(hf.get(
+            "tie_word_embeddings", False)), attn_bias=kind == "qwen2",
+        max_seq_len=min(cfg.max_seq_len, hf.get("max_position_embeddings", cfg.max_seq_len)),
+        init_from=str(path))
+
+
+def _pretrained_weights(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (path / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise ExportError(f"--model.init_from {path}: no model.safetensors (nor an index of "
+                          f"shards); save the model with safe_serialization")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(path / f))
+    return state
+
+
+def init_from_pretrained(model: MTPTransformer) -> None:
+    """Load `model.cfg.init_from`'s weights into `model` (built from `pretrained_config`).
+
+    The checkpoint's layers fill the trunk and head 1, so head 1's logits are the pretrained
+    model's; each of heads 2..K starts as a copy of head 1's block (the last pretrained layer),
+    so at first every head predicts as head 1 does, and training moves each to its offset.
+    """
+    cfg = model.cfg
+    path = Path(cfg.init_from)
+    hf = _pretrained_weights(path)
+    embed = hf["model.embed_tokens.weight"]
+    state = {"embed.weight": embed, "norm.weight": hf["model.norm.weight"],
+             "unembed.weight": hf.get("lm_head.weight", embed)}
+    for i in range(cfg.n_trunk_layers + 1):
+        layer = _layer_from_llama(hf, cfg, f"model.layers.{i}")
+        targets = [f"blocks.{i}"] if i < cfg.n_trunk_layers else \
+            [f"heads.{j}" for j in range(cfg.n_future)]
+        for into in targets:
+            state.update({f"{into}.{k}": v.clone() for k, v in layer.items()})
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ExportError(f"--model.init_from {path}: weights do not fit (missing "
+                          f"{missing[:4]}, unexpected {unexpected[:4]})")
+    if cfg.tie_embeddings:
+        model.unembed.weight = model.embed.weight
 
 
 def _write_json(path: Path, obj: dict) -> None:

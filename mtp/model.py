@@ -108,7 +108,7 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.kv_heads, cfg.head_dim
         self.qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.kv_heads) * cfg.head_dim,
-                             bias=False)
+                             bias=cfg.attn_bias)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
 
     def forward(
@@ -179,16 +179,22 @@ class LinearHead(nn.Module):
 
 
 class StackedLinear(nn.Module):
-    """J bias-free linear maps applied at once: (J, ..., in) -> (J, ..., out) in one matmul."""
+    """J linear maps applied at once: (J, ..., in) -> (J, ..., out) in one matmul."""
 
-    def __init__(self, weights: Sequence[torch.Tensor]) -> None:
+    def __init__(self, weights: Sequence[torch.Tensor],
+                 biases: Sequence[torch.Tensor] | None = None) -> None:
         super().__init__()
         self.register_buffer("weight_t", torch.stack([w.detach().T for w in weights]),
                              persistent=False)  # (J, in, out)
+        bias = None if biases is None else torch.stack([b.detach() for b in biases])[:, None]
+        self.register_buffer("bias", bias, persistent=False)  # (J, 1, out) or None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         j, d_in, d_out = self.weight_t.shape
-        return torch.bmm(x.reshape(j, -1, d_in), self.weight_t).view(*x.shape[:-1], d_out)
+        flat = x.reshape(j, -1, d_in)
+        out = torch.bmm(flat, self.weight_t) if self.bias is None else \
+            torch.baddbmm(self.bias, flat, self.weight_t)
+        return out.view(*x.shape[:-1], d_out)
 
 
 def stack_blocks(blocks: Sequence[nn.Module]) -> nn.Module:
@@ -207,11 +213,10 @@ def stack_blocks(blocks: Sequence[nn.Module]) -> nn.Module:
     for name, module in blocks[0].named_modules():
         parts = [b.get_submodule(name) for b in blocks]
         if isinstance(module, nn.Linear):
-            if module.bias is not None:
-                raise ValueError(f"stack_blocks: {name} has a bias")
             parent, _, leaf = name.rpartition(".")
+            biases = None if module.bias is None else [p.bias for p in parts]
             setattr(stacked.get_submodule(parent), leaf,
-                    StackedLinear([p.weight for p in parts]))
+                    StackedLinear([p.weight for p in parts], biases))
         elif isinstance(module, RMSNorm):
             norm = stacked.get_submodule(name)
             del norm.weight
@@ -244,10 +249,13 @@ class MTPTransformer(nn.Module):
             self.unembed.weight = self.embed.weight
 
     def reset_parameters(self) -> None:
-        """Normal(0, std) weights; residual output projections scaled by 1/sqrt(2 * blocks)."""
+        """Normal(0, std) weights, unit norm gains, zero biases; residual output projections
+        scaled by 1/sqrt(2 * blocks)."""
         n_blocks = self.cfg.n_trunk_layers + self.cfg.n_future
         for name, p in self.named_parameters():
-            if p.dim() == 1:
+            if name.endswith(".bias"):
+                nn.init.zeros_(p)
+            elif p.dim() == 1:
                 nn.init.ones_(p)
             elif name.endswith(("attn.proj.weight", "mlp.down.weight")):
                 nn.init.normal_(p, std=self.cfg.init_std / math.sqrt(2 * n_blocks))

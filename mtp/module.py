@@ -35,6 +35,10 @@ class MTPModule(L.LightningModule):
                                    "compile": dataclasses.asdict(compile)})
         self.model_cfg, self.optim_cfg, self.loss_cfg = model, optim, loss
         self.model: MTPTransformer = build_model(model)
+        if model.init_from is not None:  # config from `mtp.hf.pretrained_config`
+            from mtp.hf import init_from_pretrained
+
+            init_from_pretrained(self.model)
         if compile.enabled:
             compile_blocks(self.model, compile.mode)
         self.flops_per_batch: float | None = None  # read by Lightning's ThroughputMonitor
@@ -98,14 +102,20 @@ class MTPModule(L.LightningModule):
     # -- optimisation ----------------------------------------------------------------------
     def configure_optimizers(self):
         o = self.optim_cfg
-        decay, no_decay = [], []
+        new = {id(p) for head in self.model.heads[1:] for p in head.parameters()}
+        groups: dict[tuple[bool, bool], list] = {}
         embeddings = {id(self.model.embed.weight)}
         for p in self.model.parameters():
-            # Norm gains are 1-D; embeddings are lookups: decaying either only hurts.
-            (no_decay if p.dim() < 2 or id(p) in embeddings else decay).append(p)
+            if id(p) not in new and o.train == "heads":
+                p.requires_grad_(False)  # Medusa-1: the base model stays as it is
+                continue
+            # Norm gains and biases are 1-D; embeddings are lookups: decaying either only hurts.
+            decays = p.dim() >= 2 and id(p) not in embeddings
+            groups.setdefault((id(p) in new, decays), []).append(p)
         optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": o.weight_decay},
-             {"params": no_decay, "weight_decay": 0.0}],
+            [{"params": params, "weight_decay": o.weight_decay if decays else 0.0,
+              "lr": o.lr if is_new else o.lr * o.pretrained_lr_scale}
+             for (is_new, decays), params in groups.items()],
             lr=o.lr, betas=o.betas, eps=o.eps, fused=None,
         )
         total = o.decay_steps or self.trainer.max_steps

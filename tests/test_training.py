@@ -104,8 +104,8 @@ def test_no_weight_decay_on_norms_and_embeddings():
     module = MTPModule(TINY, OptimConfig(), LossConfig())
     module.trainer = L.Trainer(max_steps=10, logger=False)
     groups = module.configure_optimizers()["optimizer"].param_groups
-    no_decay = {id(p) for p in groups[1]["params"]}
-    assert groups[1]["weight_decay"] == 0.0 and groups[0]["weight_decay"] > 0
+    no_decay = {id(p) for g in groups if g["weight_decay"] == 0.0 for p in g["params"]}
+    assert any(g["weight_decay"] > 0 for g in groups)
     assert id(module.model.embed.weight) in no_decay
     assert id(module.model.norm.weight) in no_decay
     assert id(module.model.unembed.weight) not in no_decay

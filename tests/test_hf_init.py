@@ -1,0 +1,165 @@
+"""`--model.init_from`: a pretrained Llama-family model as trunk and head 1, plus new heads."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from mtp.checkpoint import load_checkpoint
+from mtp.config import ModelConfig
+from mtp.data import train_tokenizer
+from mtp.decoding import generate
+from mtp.hf import ExportError, export, init_from_pretrained, pretrained_config
+from mtp.loss import head_metrics, mtp_inputs_targets
+from mtp.model import MTPTransformer
+
+REPO = Path(__file__).resolve().parents[1]
+MTP = str(Path(sys.executable).parent / "mtp")
+TEXTS = ["def add(a, b):\n    return a + b\n", "for i in range(10):\n    print(i)\n"] * 20
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_tokenizer(TEXTS, 300, 1 << 20)
+
+
+def _pretrained(tmp_path: Path, tokenizer, kind: str = "llama", **kw) -> Path:
+    """A tiny randomly initialised transformers model, saved as `save_pretrained` does, with
+    norm gains and biases away from their initial values so a misplaced one shows."""
+    common = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                  rope_theta=500.0, rms_norm_eps=1e-6, tie_word_embeddings=False) | kw
+    if kind == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    else:
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0, 0.5)
+    out = tmp_path / kind
+    model.save_pretrained(out)
+    tokenizer.save(str(out / "tokenizer.json"))
+    return out
+
+
+def _ids(n=2, t=40):
+    return torch.randint(0, 320, (n, t), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.mark.parametrize("kind, tie", [("llama", False), ("llama", True), ("qwen2", False)])
+def test_head_1_is_the_pretrained_model_before_training(tmp_path, tokenizer, kind, tie):
+    path = _pretrained(tmp_path, tokenizer, kind, tie_word_embeddings=tie)
+    cfg = pretrained_config(path, ModelConfig(n_future=3, max_seq_len=64))
+    assert (cfg.n_layers, cfg.d_model, cfg.kv_heads, cfg.attn_bias, cfg.tie_embeddings) == \
+        (2, 64, 2, kind == "qwen2", tie)
+    model = MTPTransformer(cfg)
+    init_from_pretrained(model)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    with torch.no_grad():
+        ours = model.eval()(_ids())
+        want = hf(_ids()).logits
+    rel = (ours[0] - want).norm() / want.norm()
+    assert rel <= 1e-5, f"relative error {rel:.2e}"
+    # heads 2..K start as copies of head 1's block: the same logits, until trained
+    for k in (1, 2):
+        torch.testing.assert_close(ours[k], ours[0], rtol=0, atol=0)
+
+
+def test_qwen2_model_exports_and_reads_back(tmp_path, tokenizer):
+    path = _pretrained(tmp_path, tokenizer, "qwen2")
+    model = MTPTransformer(pretrained_config(path, ModelConfig(n_future=2, max_seq_len=64)))
+    init_from_pretrained(model)
+    out = export(model, tokenizer, tmp_path / "export")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(hf).__name__ == "Qwen2ForCausalLM"
+    with torch.no_grad():
+        rel = (hf(_ids()).logits - model.eval()(_ids(), n_heads=1)[0]).norm()
+    assert rel / hf(_ids()).logits.norm() <= 1e-5
+    back, _ = load_checkpoint(out)
+    for name, w in model.state_dict().items():
+        assert torch.equal(back.state_dict()[name], w), name
+
+
+@pytest.mark.parametrize("change, why", [
+    ({"model_type": "gpt2"}, "model_type 'gpt2' is not a supported causal LM"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rotary scaling"),
+    ({"attention_bias": True}, "output-projection bias"),
+])
+def test_unsupported_pretrained_models_are_refused_with_the_reason(tmp_path, tokenizer, change,
+                                                                    why):
+    path = _pretrained(tmp_path, tokenizer)
+    config = json.loads((path / "config.json").read_text())
+    config.pop("rope_parameters", None) if "rope_scaling" in change else None
+    (path / "config.json").write_text(json.dumps(config | change))
+    with pytest.raises(ExportError, match=why):
+        pretrained_config(path, ModelConfig())
+    with pytest.raises(ExportError, match="no config.json"):
+        pretrained_config(tmp_path, ModelConfig())
+
+
+def _head_losses(model, tokenizer) -> torch.Tensor:
+    ids = torch.tensor(tokenizer.encode("".join(TEXTS)).ids[:8 * 35]).view(8, 35)
+    inputs, targets = mtp_inputs_targets(ids, model.cfg.n_future)
+    with torch.no_grad():
+        return head_metrics(model.eval(), inputs, targets).head_losses
+
+
+def test_medusa_1_trains_only_the_new_heads(tmp_path, tokenizer):
+    """`mtp fit --model.init_from DIR --optim.train heads`: the base model is bit-identical
+    afterwards, heads 2..K learned, and greedy self-speculation still equals greedy."""
+    path = _pretrained(tmp_path, tokenizer)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(20):
+        (corpus / f"f{i}.py").write_text("".join(TEXTS[i % 2:]) * 3)
+    proc = subprocess.run(
+        [MTP, "fit", "--config", str(REPO / "configs/debug.yaml"), "--model.init_from",
+         str(path), "--model.n_future", "3", "--optim.train", "heads", "--optim.lr", "0.01",
+         "--trainer.max_steps", "30", "--trainer.val_check_interval", "30",
+         "--data.source", str(corpus), "--data.cache_dir", str(tmp_path / "cache"),
+         "--trainer.logger.init_args.save_dir", str(tmp_path / "runs")],
+        capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    trained, tok = load_checkpoint(next((tmp_path / "runs").rglob("last.ckpt")))
+    assert tok.to_str() == tokenizer.to_str()  # the pretrained model's tokenizer
+    base = MTPTransformer(trained.cfg)
+    init_from_pretrained(base)
+    new = {f"heads.{i}." for i in range(1, 3)}
+    changed = []
+    for name, w in base.state_dict().items():
+        if not any(name.startswith(p) for p in new):
+            assert torch.equal(trained.state_dict()[name], w), f"{name} moved"
+        elif not torch.equal(trained.state_dict()[name], w):
+            changed.append(name)
+    assert changed  # the new heads did learn
+    before, after = _head_losses(base, tokenizer), _head_losses(trained, tokenizer)
+    assert after[0] == before[0] and (after[1:] < before[1:]).all(), (before, after)
+    prompt = [tokenizer.encode("def add(a, b):").ids]
+    greedy, _ = generate(trained, prompt, 24, decoder="greedy")
+    spec, _ = generate(trained, prompt, 24, decoder="self-spec")
+    assert spec == greedy
+
+
+def test_medusa_2_gives_the_pretrained_part_a_smaller_learning_rate():
+    from mtp.config import LossConfig, OptimConfig
+    from mtp.module import MTPModule
+
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, n_future=3,
+                      max_seq_len=32)
+    module = MTPModule(cfg, OptimConfig(lr=1e-2, decay_steps=10, pretrained_lr_scale=0.1),
+                       LossConfig())
+    optimizer = module.configure_optimizers()["optimizer"]
+    lr_of = {id(p): g["initial_lr"] for g in optimizer.param_groups for p in g["params"]}
+    for name, p in module.model.named_parameters():
+        new = name.startswith(("heads.1.", "heads.2."))
+        assert lr_of[id(p)] == pytest.approx(1e-2 if new else 1e-3), name
+    assert len(lr_of) == len(list(module.model.parameters()))  # every parameter, once
