@@ -300,6 +300,11 @@ class LossConfig:
     """`naive` holds all K heads' logits at once; `sequential` runs one head at a time."""
     head_weights: list[float] | None = None
     """Weight w_i of head i in the loss (None: 1 for every head)."""
+    targets: Literal["data", "self"] = "data"
+    """`self`: head i learns the model's own greedy prediction of the token i ahead (head 1's
+    argmax given the text so far, computed without gradient before each step) instead of the
+    data's token: Medusa's self-distillation, for heads added to a pretrained model whose
+    training data is not at hand."""
 
     def __post_init__(self) -> None:
         if self.head_weights is not None and any(w < 0 for w in self.head_weights):
@@ -335,6 +340,11 @@ class RunConfig:
                 f"--data.seq_len ({self.data.seq_len}) exceeds --model.max_seq_len "
                 f"({self.model.max_seq_len})"
             )
+        if self.loss.targets == "self" and self.data.seq_len + self.model.n_future - 1 > \
+                self.model.max_seq_len:
+            p.append(f"--loss.targets self predicts over --data.seq_len + --model.n_future - 1 = "
+                     f"{self.data.seq_len + self.model.n_future - 1} positions, more than "
+                     f"--model.max_seq_len ({self.model.max_seq_len})")
         if self.optim.train == "heads" and self.model.n_future < 2:
             p.append("--optim.train heads trains heads 2..K, but --model.n_future is 1")
         w = self.loss.head_weights

@@ -46,6 +46,8 @@ class MTPModule(L.LightningModule):
     # -- the step --------------------------------------------------------------------------
     def compute_loss(self, window: torch.Tensor, *, with_accuracy: bool = True) -> MTPLossOutput:
         inputs, targets = mtp_inputs_targets(window, self.model_cfg.n_future)
+        if self.loss_cfg.targets == "self":
+            targets = self_targets(self.model, window)
         weights = self.loss_cfg.head_weights
         if self.loss_cfg.strategy == "naive":
             return naive_mtp_loss(self.model, inputs, targets, weights)
@@ -143,6 +145,32 @@ class MTPModule(L.LightningModule):
                 f"{dm.tokenizer.get_vocab_size()}); resume with the same --data.source and "
                 "--data.tokenizer"
             )
+
+
+@torch.no_grad()
+def self_targets(model: MTPTransformer, window: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
+    """The targets of `--loss.targets self`: (K, B, T), head i's at position t being the
+    model's own greedy prediction of token t + i (head 1's argmax after tokens 0..t + i - 1 of
+    the window), where the data's targets would hold the token itself.
+
+    Head 1's argmax runs over at most `chunk` positions at a time, so no logits of the whole
+    window are held; it runs through the model's forward, so FSDP gathers what it needs.
+    """
+    K = model.cfg.n_future
+    T = window.shape[1] - K
+
+    def greedy(h, rope):
+        z = model.head_hidden(0, h, rope).flatten(0, 1)  # (B * (T + K - 1), d)
+        return torch.cat([model.unembed(part).argmax(-1) for part in z.split(chunk)])
+
+    was_training = model.training
+    model.eval()
+    try:
+        preds = model(window[:, :-1], heads_fn=greedy).view(window.shape[0], -1)
+    finally:
+        model.train(was_training)
+    # preds[:, j] predicts token j + 1; head i (0-based) at position t predicts token t + i + 1
+    return torch.stack([preds[:, i:i + T] for i in range(K)])
 
 
 def compile_blocks(model: MTPTransformer, mode: str = "default") -> None:

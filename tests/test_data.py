@@ -122,14 +122,17 @@ def test_token_shards_are_cached_and_rebuilt_on_change(tiny_corpus, tmp_path):
         (tiny_corpus / "zz_new.py").unlink()
 
 
-def test_given_tokenizer_must_match_model_vocabulary(tiny_corpus, tmp_path):
+def test_given_tokenizer_must_fit_model_vocabulary(tiny_corpus, tmp_path):
     dm = _dm(tiny_corpus, tmp_path)
     path = tmp_path / "tok.json"
     dm.tokenizer.save(str(path))
     cfg = DataConfig(source=str(tiny_corpus), cache_dir=str(tmp_path / "cache"),
                      tokenizer=str(path))
+    n = dm.tokenizer.get_vocab_size()
     with pytest.raises(ValueError, match="--model.vocab_size"):
-        MTPDataModule(cfg, vocab_size=dm.tokenizer.get_vocab_size() + 1, n_future=2)._prepare()
+        MTPDataModule(cfg, vocab_size=n - 1, n_future=2)._prepare()
+    # fewer tokens than embedding rows is fine: pretrained models pad their embeddings
+    MTPDataModule(cfg, vocab_size=n + 64, n_future=2)._prepare()
     with pytest.raises(FileNotFoundError, match="--data.tokenizer"):
         MTPDataModule(DataConfig(tokenizer=str(tmp_path / "missing.json")), vocab_size=300,
                       n_future=2)._prepare()

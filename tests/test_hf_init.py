@@ -163,3 +163,49 @@ def test_medusa_2_gives_the_pretrained_part_a_smaller_learning_rate():
         new = name.startswith(("heads.1.", "heads.2."))
         assert lr_of[id(p)] == pytest.approx(1e-2 if new else 1e-3), name
     assert len(lr_of) == len(list(module.model.parameters()))  # every parameter, once
+
+
+def test_self_targets_are_the_models_own_greedy_predictions():
+    from mtp.module import self_targets
+
+    torch.manual_seed(0)
+    model = MTPTransformer(ModelConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=2,
+                                       n_future=3, max_seq_len=32)).eval()
+    window = torch.randint(0, 50, (2, 9))  # T = 6, K = 3
+    got = self_targets(model, window, chunk=5)
+    assert got.shape == (3, 2, 6)
+    with torch.no_grad():  # prefix by prefix: the next token after each prefix, independently
+        for b in range(2):
+            for i in range(3):
+                for t in range(6):
+                    prefix = window[b:b + 1, :t + i + 1]
+                    assert got[i, b, t] == model(prefix, n_heads=1)[0, 0, -1].argmax()
+
+
+def test_self_distillation_teaches_the_new_heads_the_models_own_continuations():
+    from mtp.config import DataConfig, LossConfig, OptimConfig, RunConfig
+    from mtp.module import MTPModule, self_targets
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=2, n_future=3,
+                      max_seq_len=32)
+    module = MTPModule(cfg, OptimConfig(lr=1e-2, warmup_steps=0, decay_steps=60,
+                                        train="heads"), LossConfig(targets="self"))
+    optimizer = module.configure_optimizers()["optimizer"]
+    window = torch.randint(0, 50, (8, 19))
+
+    def head_losses():
+        inputs, _ = mtp_inputs_targets(window, 3)
+        with torch.no_grad():
+            return head_metrics(module.model, inputs, self_targets(module.model, window)
+                                ).head_losses
+
+    before = head_losses()
+    for _ in range(60):
+        optimizer.zero_grad()
+        module.compute_loss(window).loss.backward()
+        optimizer.step()
+    after = head_losses()
+    assert after[0] == before[0] and (after[1:] < before[1:] - 0.5).all(), (before, after)
+    with pytest.raises(ValueError, match="--loss.targets self predicts over"):
+        RunConfig(model=cfg, data=DataConfig(seq_len=32), loss=LossConfig(targets="self"))

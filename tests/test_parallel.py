@@ -87,7 +87,7 @@ def test_run_ranks_ends_a_hung_run_and_leaves_no_process():
     """A hung collective neither hangs the caller nor leaves a process for pytest to wait on at
     exit: the rank past its deadline prints its stack and exits, the other is killed."""
     with pytest.raises(mp.ProcessExitedException):
-        run_ranks(_hanging_worker, 2, timeout=5)
+        run_ranks(_hanging_worker, 2, timeout=3)
     assert multiprocessing.active_children() == []
 
 
