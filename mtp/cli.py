@@ -108,6 +108,7 @@ class MTPCLI(LightningCLI):
             if data.tokenizer is None:
                 data = dataclasses.replace(data, tokenizer=str(Path(model.init_from)
                                                                / "tokenizer.json"))
+            _check_pretrained_tokenizer(Path(data.tokenizer), model)
         run = RunConfig(model=model, data=data, optim=c.optim, loss=c.loss,
                         compile=c.compile)  # cross-checks
         self.run_config = run
@@ -128,6 +129,24 @@ class MTPCLI(LightningCLI):
         model = full_model(self.model.model)  # a collective under FSDP: on every rank
         if self.trainer.is_global_zero:
             report_fit(self.trainer, self.model, self.datamodule, model.to(self.model.device))
+
+
+def _check_pretrained_tokenizer(path: Path, model: ModelConfig) -> None:
+    """Before any data is read: the tokenizer of an `--model.init_from` run must exist, hold the
+    end-of-text token and fit the pretrained embedding."""
+    from tokenizers import Tokenizer
+
+    if not path.is_file():
+        raise ConfigError(f"--data.tokenizer {path} does not exist (--model.init_from "
+                          f"{model.init_from} has no tokenizer.json; pass --data.tokenizer)")
+    tok = Tokenizer.from_file(str(path))
+    if tok.token_to_id(EOT_TOKEN) is None:
+        raise ConfigError(f"--data.tokenizer {path} has no {EOT_TOKEN} token, which separates "
+                          f"documents")
+    if tok.get_vocab_size() > model.vocab_size:
+        raise ConfigError(f"--data.tokenizer {path} has {tok.get_vocab_size()} tokens but the "
+                          f"embedding of --model.init_from {model.init_from} has "
+                          f"{model.vocab_size} rows")
 
 
 def report_fit(trainer, module: MTPModule, dm: MTPDataModule, model) -> None:

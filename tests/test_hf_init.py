@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -209,3 +210,31 @@ def test_self_distillation_teaches_the_new_heads_the_models_own_continuations():
     assert after[0] == before[0] and (after[1:] < before[1:] - 0.5).all(), (before, after)
     with pytest.raises(ValueError, match="--loss.targets self predicts over"):
         RunConfig(model=cfg, data=DataConfig(seq_len=32), loss=LossConfig(targets="self"))
+
+
+@pytest.mark.parametrize("problem, why", [
+    ("bigger", "has 7\\d\\d tokens but the embedding of --model.init_from"),
+    ("no_eot", "has no <\\|endoftext\\|> token"),
+    ("missing", "does not exist"),
+])
+def test_fit_refuses_a_pretrained_tokenizer_that_does_not_fit(tmp_path, tokenizer, capsys,
+                                                              problem, why):
+    from tokenizers import Tokenizer, models
+
+    from mtp.cli import main
+
+    path = _pretrained(tmp_path, tokenizer)
+    tok_file = path / "tokenizer.json"
+    if problem == "bigger":
+        bigger = Tokenizer.from_str(tokenizer.to_str())
+        bigger.add_tokens([f"extra{i}" for i in range(450)])
+        bigger.save(str(tok_file))
+    elif problem == "no_eot":
+        Tokenizer(models.WordLevel({"a": 0, "b": 1}, unk_token="a")).save(str(tok_file))
+    else:
+        tok_file.unlink()
+    code = main(["fit", "--config", str(REPO / "configs/debug.yaml"), "--model.init_from",
+                 str(path), "--data.cache_dir", str(tmp_path / "cache")])
+    err = capsys.readouterr().err
+    assert code == 2 and re.search(why, err), err
+    assert not (tmp_path / "cache").exists()  # refused before any data was read
