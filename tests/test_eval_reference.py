@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from mtp.eval.data import load_benchmark
+from mtp.eval.execution import TimePolicy
 from mtp.eval.harness import evaluate_completions, load_completions
 from mtp.eval.sandbox import Limits
 
@@ -118,12 +119,12 @@ def _burners(n: int) -> list[subprocess.Popen]:
 
 
 def test_verdicts_do_not_depend_on_workers_or_load(tmp_path):
-    """The same completions, right, wrong, slow-but-right (1 s of CPU, which a wall clock of a
-    second would fail on a busy machine) and endless, give the same verdicts with 1 and 2
-    workers, alone and beside a process burning each core."""
+    """The same completions, right, wrong, slow-but-right (0.5 s of CPU, which a wall clock of
+    half a second would fail on a busy machine) and endless, give the same verdicts with 1 and 2
+    workers, alone and beside a process burning each core (CPU limits of at least 1 s here)."""
     bench = load_benchmark("humaneval")
     bench.tasks = bench.tasks[:10]
-    slow = ("\nimport time\n_t = time.process_time()\nwhile time.process_time() - _t < 1.0:\n"
+    slow = ("\nimport time\n_t = time.process_time()\nwhile time.process_time() - _t < 0.5:\n"
             "    pass\n")
     kinds = ["endless", "slow", "slow"] + ["wrong", "right"] * 4 + ["wrong"]
     completions = [{"task_id": t.task_id, "sample": 0, "completion": {
@@ -138,7 +139,8 @@ def test_verdicts_do_not_depend_on_workers_or_load(tmp_path):
             for workers in (1, 2):
                 out = tmp_path / f"{load}-{workers}"
                 evaluate_completions(bench, completions=completions, ks=[1], workers=workers,
-                                     limits=Limits(timeout=5.0), output_dir=out)
+                                     limits=Limits(timeout=5.0), output_dir=out,
+                                     policy=TimePolicy(floor=1.0))
                 verdicts = {r["task_id"]: r["outcome"]
                             for r in map(json.loads, (out / "samples.jsonl").open())}
                 assert verdicts == expected, (load, workers)
