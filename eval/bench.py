@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.workers < 1:
         parser.error("--rounds and --workers must be >= 1")
-    from mtp.bench import environment, format_table, write_csv  # imports torch: late
+    from mtp.bench import publish  # imports torch: late
 
     bench = load_benchmark(args.benchmark, args.data_file)
     if args.limit:
@@ -68,9 +68,7 @@ def main(argv: list[str] | None = None) -> int:
              "wall_s": statistics.median(t), "ms_per_sample": 1e3 * statistics.median(t)
              / len(completions), "vs_shared": statistics.median(t) / base}
             for mode, t in times.items()]
-    print(", ".join(f"{k}={v}" for k, v in environment().items()))
-    print(format_table(rows))
-    write_csv(rows, args.csv)
+    publish(rows, args.csv)
     return 0
 
 

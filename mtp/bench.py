@@ -89,6 +89,13 @@ def format_table(rows: list[dict], columns: list[str] | None = None) -> str:
     return "\n".join("  ".join(v.rjust(w) for v, w in zip(line, widths)) for line in table)
 
 
+def publish(rows: list[dict], csv_path: str | os.PathLike) -> None:
+    """Print the environment line and the table of `rows`, then append them to `csv_path`."""
+    print(", ".join(f"{k}={v}" for k, v in environment().items()))
+    print(format_table(rows))
+    write_csv(rows, csv_path)
+
+
 def write_csv(rows: list[dict], path: str | os.PathLike) -> None:
     """Write rows plus the environment columns; a new file per column set, never rewritten."""
     env = environment()
@@ -490,9 +497,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = bench_loss(args)
     else:
         rows = bench_train(args)
-    print(", ".join(f"{k}={v}" for k, v in environment().items()))
-    print(format_table(rows))
-    write_csv(rows, args.csv or f"bench_results/{args.what}.csv")
+    publish(rows, args.csv or f"bench_results/{args.what}.csv")
     return 0
 
 

@@ -149,7 +149,7 @@ def _run_in_subprocess(spec: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """`mtp bench tokenize [--size-mb N] [--workers 1,2] ...`."""
-    from mtp.bench import comma_ints, environment, format_table, write_csv  # imports this module
+    from mtp.bench import comma_ints, publish  # imports this module
 
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["_run"]:  # internal: one tokenisation in a fresh process
@@ -193,9 +193,7 @@ def main(argv: list[str] | None = None) -> int:
                      "total_pss_mib": result["total_pss_mib"],
                      "speedup": first["seconds"] / result["seconds"],
                      "identical": int(result["sha256"] == first["sha256"])})
-    print(", ".join(f"{k}={v}" for k, v in environment().items()))
-    print(format_table(rows))
-    write_csv(rows, args.csv)
+    publish(rows, args.csv)
     return 0
 
 
