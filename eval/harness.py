@@ -334,8 +334,9 @@ def score(
     """
     if (completions is None) == (completer is None):
         raise ValueError("give exactly one of completions and completer")
-    execution = execution or Execution(limits or Limits(), None, hide=data_paths(benchmark))
     isolation = isolation or detect_isolation()
+    execution = execution or Execution(limits or Limits(), None,
+                                       hide=data_paths(benchmark, isolation))
     out = Path(output_dir) if output_dir is not None else None
     log = JsonlLog(out / "samples.jsonl") if out else None
     gen_log = JsonlLog(out / "completions.jsonl") if out and completer else None
@@ -508,7 +509,7 @@ def evaluate_completions(
     ids = {r["task_id"] for r in completions} if completions is not None else None
     tasks = [t for t in benchmark.tasks if ids is None or t.task_id in ids]
     execution = _prepare(tasks, limits or Limits(), policy, isolation, workers, calibration_cache,
-                         data_paths(benchmark))
+                         data_paths(benchmark, isolation))
     results = score(benchmark, completions, completer=completer, config=config,
                     output_dir=output_dir, workers=workers, isolation=isolation,
                     execution=execution)
