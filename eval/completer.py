@@ -24,12 +24,12 @@ class ModelCompleter:
         batch_size: int = 16,
         **decode_kwargs,
     ) -> None:
-        from mtp.checkpoint import EOT_TOKEN
+        from mtp.checkpoint import eot_id
 
         self.model, self.tokenizer, self.decoder = model, tokenizer, decoder
         self.draft_model, self.batch_size = draft_model, batch_size
         self.decode_kwargs = decode_kwargs
-        self.eot_id = tokenizer.token_to_id(EOT_TOKEN)
+        self.eot_id = eot_id(tokenizer, model.cfg)
         self.stats = DecodeStats()
 
     def _decode(self, ids: list[int]) -> str:

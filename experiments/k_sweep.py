@@ -218,7 +218,7 @@ def evaluate(preset: dict, k: int, seed: int, run_dir: Path) -> dict:
     """Every measurement of one trained run (see the module docstring)."""
     import torch
 
-    from mtp.checkpoint import EOT_TOKEN, load_checkpoint
+    from mtp.checkpoint import eot_id, load_checkpoint
     from mtp.config import DataConfig
     from mtp.data import build_datamodule
 
@@ -233,7 +233,7 @@ def evaluate(preset: dict, k: int, seed: int, run_dir: Path) -> dict:
                               n_future=k)
         dm.setup("validate")
         row |= validation_losses(model, dm, n_val_windows(dm, preset), cfg["data"]["batch_size"])
-        row |= speculative(model, dm, ev, tokenizer.token_to_id(EOT_TOKEN))
+        row |= speculative(model, dm, ev, eot_id(tokenizer, model.cfg))
     for bench in ("humaneval", "mbpp"):
         score, n = pass_at_1(ckpt, bench, run_dir / "eval" / bench, ev)
         row[f"{bench}_pass@1"], row[f"{bench}_tasks"] = score, n

@@ -17,8 +17,8 @@ from tokenizers import Tokenizer
 from mtp.config import ModelConfig
 from mtp.model import MTPTransformer
 
-#: Separates documents in the token stream and ends generation.
-EOT_TOKEN = "<|endoftext|>"
+#: The default end-of-text token (`ModelConfig.eot_token`), which mtp's own tokenizers hold.
+EOT_TOKEN = ModelConfig.eot_token
 STATE_PREFIX = "model."
 
 
@@ -74,5 +74,13 @@ def check_vocab(tokenizer: Tokenizer, cfg: ModelConfig, *, source: str) -> None:
             f"tokenizer from {source} has {n} tokens but the model's vocabulary "
             f"(--model.vocab_size) is {cfg.vocab_size}"
         )
-    if tokenizer.token_to_id(EOT_TOKEN) is None:
-        raise ValueError(f"tokenizer from {source} has no {EOT_TOKEN} token")
+    eot_id(tokenizer, cfg, source=source)
+
+
+def eot_id(tokenizer: Tokenizer, cfg: ModelConfig, *, source: str = "the checkpoint") -> int:
+    """The id of the model's end-of-text token (`cfg.eot_token`) in `tokenizer`."""
+    i = tokenizer.token_to_id(cfg.eot_token)
+    if i is None:
+        raise ValueError(f"tokenizer from {source} has no end-of-text token {cfg.eot_token!r} "
+                         f"(--model.eot_token)")
+    return i

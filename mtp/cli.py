@@ -19,7 +19,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ThroughputMonitor
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-from mtp.checkpoint import EOT_TOKEN
+from mtp.checkpoint import eot_id
 from mtp.config import (
     CompileConfig,
     ConfigError,
@@ -120,7 +120,8 @@ class MTPCLI(LightningCLI):
             c.trainer.strategy = FSDPStrategy()
         self.model = MTPModule(run.model, run.optim, run.loss, run.compile)
         self.datamodule = build_datamodule(run.data, vocab_size=run.model.vocab_size,
-                                           n_future=run.model.n_future)
+                                           n_future=run.model.n_future,
+                                           eot_token=run.model.eot_token)
         self.trainer = self.instantiate_trainer()
 
     def after_fit(self) -> None:
@@ -140,9 +141,9 @@ def _check_pretrained_tokenizer(path: Path, model: ModelConfig) -> None:
         raise ConfigError(f"--data.tokenizer {path} does not exist (--model.init_from "
                           f"{model.init_from} has no tokenizer.json; pass --data.tokenizer)")
     tok = Tokenizer.from_file(str(path))
-    if tok.token_to_id(EOT_TOKEN) is None:
-        raise ConfigError(f"--data.tokenizer {path} has no {EOT_TOKEN} token, which separates "
-                          f"documents")
+    if tok.token_to_id(model.eot_token) is None:
+        raise ConfigError(f"--data.tokenizer {path} has no end-of-text token "
+                          f"{model.eot_token!r} (--model.eot_token), which separates documents")
     if tok.get_vocab_size() > model.vocab_size:
         raise ConfigError(f"--data.tokenizer {path} has {tok.get_vocab_size()} tokens but the "
                           f"embedding of --model.init_from {model.init_from} has "
@@ -166,7 +167,7 @@ def report_fit(trainer, module: MTPModule, dm: MTPDataModule, model) -> None:
     model.eval()
     # sampled, not greedy: greedy decoding of a model this small loops on one line
     new, _ = generate(model, [dm.tokenizer.encode(prompt).ids], 64, decoder="sample",
-                      temperature=0.7, top_p=0.95, eot_id=dm.tokenizer.token_to_id(EOT_TOKEN),
+                      temperature=0.7, top_p=0.95, eot_id=eot_id(dm.tokenizer, model.cfg),
                       generator=torch.Generator(module.device).manual_seed(0))
     print(f"\nsample (temperature 0.7, top-p 0.95):\n{prompt}{dm.tokenizer.decode(new[0])}\n")
     ckpt = trainer.checkpoint_callback

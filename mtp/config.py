@@ -57,6 +57,9 @@ class ModelConfig:
     """Standard deviation of the normal weight initialisation."""
     attn_bias: bool = False
     """Biases on the query, key and value projections (Qwen2's layout)."""
+    eot_token: str = "<|endoftext|>"
+    """The tokenizer's end-of-text token: it separates documents in the token stream and ends
+    generation. With `init_from`, the pretrained tokenizer's ``eos_token`` unless set."""
     init_from: str | None = None
     """A local transformers checkpoint of the Llama family (Llama, Mistral, Qwen2) to start
     from: its shape replaces the other `--model.*` shape flags, its layers become the trunk and
@@ -91,6 +94,8 @@ class ModelConfig:
                     f"--model.matched_params moves K - 1 = {self.n_future - 1} trunk blocks into "
                     f"the heads, which leaves none of --model.n_layers = {self.n_layers}"
                 )
+        if not self.eot_token:
+            p.append("--model.eot_token must be a token (got an empty string)")
         if self.ffn_hidden is not None and self.ffn_hidden < 1:
             p.append(f"--model.ffn_hidden must be >= 1 (got {self.ffn_hidden})")
         _raise_if(p)

@@ -330,8 +330,10 @@ def load_corpus(cfg: DataConfig) -> Corpus:
 # -- tokenizer ----------------------------------------------------------------------------------
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int, max_bytes: int) -> Tokenizer:
-    """A byte-level BPE with an end-of-text token (id 0), trained on at most `max_bytes`.
+def train_tokenizer(texts: Iterable[str], vocab_size: int, max_bytes: int,
+                    eot_token: str = EOT_TOKEN) -> Tokenizer:
+    """A byte-level BPE with the end-of-text token `eot_token` (id 0), trained on at most
+    `max_bytes`.
 
     `texts` may be a stream: it is read only up to `max_bytes`.
     """
@@ -339,7 +341,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, max_bytes: int) -> To
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=[EOT_TOKEN], show_progress=True,
+        vocab_size=vocab_size, special_tokens=[eot_token], show_progress=True,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
 
@@ -379,9 +381,10 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
         raise ValueError(f"--data.tokenizer {path} is not a valid tokenizer.json: {err}") from err
 
 
-def _check_tokenizer(tok: Tokenizer, vocab_size: int, source: str) -> None:
-    if tok.token_to_id(EOT_TOKEN) is None:
-        raise ValueError(f"--data.tokenizer {source} has no {EOT_TOKEN} token")
+def _check_tokenizer(tok: Tokenizer, vocab_size: int, source: str, eot_token: str) -> None:
+    if tok.token_to_id(eot_token) is None:
+        raise ValueError(f"--data.tokenizer {source} has no end-of-text token {eot_token!r} "
+                         f"(--model.eot_token)")
     # fewer tokens than embedding rows is fine (pretrained models pad their embeddings)
     if tok.get_vocab_size() > vocab_size:
         raise ValueError(f"--data.tokenizer {source} has a vocabulary of {tok.get_vocab_size()} "
@@ -537,7 +540,7 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def _init_worker(tokenizer_json: str, dtype: str, parent: int) -> None:
+def _init_worker(tokenizer_json: str, eot: int, dtype: str, parent: int) -> None:
     global _WORKER
     # One core per worker: the speed-up comes from the processes, and Rust's thread pool, if the
     # parent used it before fork(), does not exist in the child.
@@ -545,7 +548,7 @@ def _init_worker(tokenizer_json: str, dtype: str, parent: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
     _die_with_parent(parent)
     tok = Tokenizer.from_str(tokenizer_json)
-    _WORKER = (tok, tok.token_to_id(EOT_TOKEN), np.dtype(dtype))
+    _WORKER = (tok, eot, np.dtype(dtype))
 
 
 def _encode(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -579,7 +582,7 @@ class _EncoderPool:
     """`workers` processes encoding batches; `map` returns results in input order, reading the
     input only as far as 2 x workers batches ahead of what the caller has taken."""
 
-    def __init__(self, tokenizer: Tokenizer, dtype: type, workers: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, eot: int, dtype: type, workers: int) -> None:
         # fork: a worker starts in milliseconds and imports nothing (spawn would re-import torch
         # and Lightning, seconds and ~400 MB per worker); spawn where fork does not exist.
         # NOTE: an executor, not multiprocessing.Pool: when a worker dies (the OOM killer), Pool
@@ -587,7 +590,7 @@ class _EncoderPool:
         method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
         self.executor = ProcessPoolExecutor(
             workers, mp.get_context(method), initializer=_init_worker,
-            initargs=(tokenizer.to_str(), np.dtype(dtype).name, os.getpid()))
+            initargs=(tokenizer.to_str(), eot, np.dtype(dtype).name, os.getpid()))
         self.depth = 2 * workers
 
     def map(self, batches: Iterable[_Batch]) -> Iterator[tuple[_Batch, np.ndarray, np.ndarray]]:
@@ -610,9 +613,13 @@ class _EncoderPool:
 # -- building and loading shards ----------------------------------------------------------------
 
 
-def shard_root(cache_dir: str | os.PathLike, key: dict, tokenizer: Tokenizer) -> Path:
-    """The cache directory of a source's shards under a tokenizer."""
-    h = hashlib.sha256(json.dumps({"format": SHARD_FORMAT, "source": key}, sort_keys=True)
+def shard_root(cache_dir: str | os.PathLike, key: dict, tokenizer: Tokenizer,
+               eot_token: str = EOT_TOKEN) -> Path:
+    """The cache directory of a source's shards under a tokenizer and end-of-text token."""
+    what = {"format": SHARD_FORMAT, "source": key}
+    if eot_token != EOT_TOKEN:  # the default is left out, so existing shards keep their place
+        what["eot_token"] = eot_token
+    h = hashlib.sha256(json.dumps(what, sort_keys=True)
                        .encode() + b"\0" + tokenizer.to_str().encode())
     return Path(cache_dir) / "tokens" / h.hexdigest()[:16]
 
@@ -634,8 +641,9 @@ def _resume_point(root: Path, key: dict) -> dict | None:
 
 
 def build_shards(spec: SourceSpec, tokenizer: Tokenizer, root: Path, *, workers: int,
-                 key: dict | None = None) -> dict:
-    """Tokenise one source into `root/{train,val}.bin`; returns its meta.json.
+                 key: dict | None = None, eot_token: str = EOT_TOKEN) -> dict:
+    """Tokenise one source into `root/{train,val}.bin`, each document followed by `eot_token`;
+    returns its meta.json.
 
     Reuses a complete shard, resumes an interrupted one from its last checkpoint, and otherwise
     starts afresh. The output depends only on the source and the tokenizer, never on `workers`
@@ -649,11 +657,15 @@ def build_shards(spec: SourceSpec, tokenizer: Tokenizer, root: Path, *, workers:
     with _locked(root / "lock"):
         if meta.is_file():  # another run finished it while this one waited for the lock
             return json.loads(meta.read_text())
-        return _build_locked(spec, tokenizer, root, workers, key)
+        return _build_locked(spec, tokenizer, root, workers, key, eot_token)
 
 
 def _build_locked(spec: SourceSpec, tokenizer: Tokenizer, root: Path, workers: int,
-                  key: dict) -> dict:
+                  key: dict, eot_token: str) -> dict:
+    eot = tokenizer.token_to_id(eot_token)
+    if eot is None:
+        raise ValueError(f"the tokenizer has no end-of-text token {eot_token!r} "
+                         f"(--model.eot_token)")
     dtype = _dtype_for(tokenizer.get_vocab_size())
     progress = _resume_point(root, key)
     if progress is not None:
@@ -674,7 +686,7 @@ def _build_locked(spec: SourceSpec, tokenizer: Tokenizer, root: Path, workers: i
 
     bar = tqdm(desc=f"tokenising {spec.source}", unit="tok", unit_scale=True,
                initial=sum(writer.tokens.values()), smoothing=0.1)
-    pool = _EncoderPool(tokenizer, dtype, workers)
+    pool = _EncoderPool(tokenizer, eot, dtype, workers)
     stopped, since_docs, since_chars = False, 0, 0
     try:
         for batch, ids, lengths in pool.map(_batches(reader)):
@@ -704,11 +716,11 @@ def _build_locked(spec: SourceSpec, tokenizer: Tokenizer, root: Path, workers: i
     finally:
         pool.close()
         bar.close()
-    return _finish(spec, writer, root, key, state, stopped, tokenizer)
+    return _finish(spec, writer, root, key, state, stopped, tokenizer, eot_token)
 
 
 def _finish(spec: SourceSpec, writer: _ShardWriter, root: Path, key: dict, state: dict,
-            stopped: bool, tokenizer: Tokenizer) -> dict:
+            stopped: bool, tokenizer: Tokenizer, eot_token: str) -> dict:
     docs = state["documents"]
     try:
         _check_split_sizes(spec, docs["train"], docs["val"], state["skipped"])
@@ -725,7 +737,7 @@ def _finish(spec: SourceSpec, writer: _ShardWriter, root: Path, key: dict, state
                     spec.label)
     meta = {"format": SHARD_FORMAT, "source": spec.source, "key": key,
             "tokenizer_sha256": hashlib.sha256(tokenizer.to_str().encode()).hexdigest(),
-            "dtype": writer.dtype.name, "skipped_files": state["skipped"],
+            "eot_token": eot_token, "dtype": writer.dtype.name, "skipped_files": state["skipped"],
             "documents_read": state["docs_read"], "documents": docs,
             "stopped_at_max_tokens": stopped, "sha256": {}}
     for split in SPLITS:
@@ -889,9 +901,11 @@ class MTPDataModule(L.LightningDataModule):
     the concatenation of every source's validation tokens, the set the validation loss covers.
     """
 
-    def __init__(self, cfg: DataConfig, *, vocab_size: int, n_future: int) -> None:
+    def __init__(self, cfg: DataConfig, *, vocab_size: int, n_future: int,
+                 eot_token: str = EOT_TOKEN) -> None:
         super().__init__()
         self.cfg, self.vocab_size, self.n_future = cfg, vocab_size, n_future
+        self.eot_token = eot_token
         self.tokenizer: Tokenizer | None = None
         self.samples_consumed = 0
         self.stats: dict = {}
@@ -904,16 +918,18 @@ class MTPDataModule(L.LightningDataModule):
         cfg = self.cfg
         if cfg.tokenizer is not None:
             tok = load_tokenizer(cfg.tokenizer)
-            _check_tokenizer(tok, self.vocab_size, cfg.tokenizer)
+            _check_tokenizer(tok, self.vocab_size, cfg.tokenizer, self.eot_token)
             return tok
-        mixture = [{"key": k, "weight": s.weight} for s, k in zip(specs, keys)]
+        mixture: list = [{"key": k, "weight": s.weight} for s, k in zip(specs, keys)]
+        if self.eot_token != EOT_TOKEN:  # as in `shard_root`
+            mixture.append({"eot_token": self.eot_token})
         h = hashlib.sha256(json.dumps(mixture, sort_keys=True).encode()).hexdigest()[:16]
         path = Path(cfg.cache_dir) / "tokenizers" / (
             f"{h}-v{self.vocab_size}-b{cfg.tokenizer_train_bytes}.json")
         if path.is_file():
             return Tokenizer.from_file(str(path))
         tok = train_tokenizer(tokenizer_sample(specs, cfg.tokenizer_train_bytes),
-                              self.vocab_size, cfg.tokenizer_train_bytes)
+                              self.vocab_size, cfg.tokenizer_train_bytes, self.eot_token)
         path.parent.mkdir(parents=True, exist_ok=True)
         _atomic_write(path, lambda p: tok.save(str(p)))
         return tok
@@ -926,8 +942,9 @@ class MTPDataModule(L.LightningDataModule):
         workers = cfg.tokenize_workers or _available_cpus()
         roots = []
         for spec, key in zip(specs, keys):
-            roots.append(shard_root(cfg.cache_dir, key, tok))
-            build_shards(spec, tok, roots[-1], workers=workers, key=key)
+            roots.append(shard_root(cfg.cache_dir, key, tok, self.eot_token))
+            build_shards(spec, tok, roots[-1], workers=workers, key=key,
+                         eot_token=self.eot_token)
         return tok, specs, roots
 
     def setup(self, stage: str | None = None) -> None:
@@ -992,6 +1009,7 @@ def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
     return float(-(p * np.log(p)).sum())
 
 
-def build_datamodule(cfg: DataConfig, *, vocab_size: int, n_future: int) -> MTPDataModule:
+def build_datamodule(cfg: DataConfig, *, vocab_size: int, n_future: int,
+                     eot_token: str = EOT_TOKEN) -> MTPDataModule:
     """The DataModule of a data config (the factory the CLI and experiments call)."""
-    return MTPDataModule(cfg, vocab_size=vocab_size, n_future=n_future)
+    return MTPDataModule(cfg, vocab_size=vocab_size, n_future=n_future, eot_token=eot_token)

@@ -222,7 +222,7 @@ def generate_main(argv: list[str]) -> int:
     tree = _parse_tree(p, args.tree)
     heads = [] if args.n_heads is None else [args.n_heads]
     model, tokenizer, draft = _load(p, args, [args.decoder], heads)
-    from mtp.checkpoint import EOT_TOKEN
+    from mtp.checkpoint import eot_id
 
     ids = tokenizer.encode(args.prompt).ids
     window = model.cfg.max_seq_len
@@ -238,7 +238,7 @@ def generate_main(argv: list[str]) -> int:
     if args.decoder in ("greedy", "sample"):
         show = "none"
     stream = _Stream(decode, show)
-    common = dict(eot_id=tokenizer.token_to_id(EOT_TOKEN), stop=args.stop, decode=decode)
+    common = dict(eot_id=eot_id(tokenizer, model.cfg), stop=args.stop, decode=decode)
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     sys.stdout.write(args.prompt)
     try:
@@ -418,7 +418,7 @@ def bench_main(argv: list[str]) -> int:
         decoders.remove("draft")
     tree = _parse_tree(p, args.tree)
     model, tokenizer, draft = _load(p, args, decoders, args.n_heads or [])
-    from mtp.checkpoint import EOT_TOKEN
+    from mtp.checkpoint import eot_id
 
     k = model.cfg.n_future
     heads = args.n_heads or list(range(2, k + 1))
@@ -435,7 +435,7 @@ def bench_main(argv: list[str]) -> int:
               f"(context window {model.cfg.max_seq_len}, {args.max_new_tokens} new tokens)",
               file=sys.stderr)
     prompts = [x[-room:] for x in prompts]
-    common = dict(eot_id=tokenizer.token_to_id(EOT_TOKEN), stop=args.stop,
+    common = dict(eot_id=eot_id(tokenizer, model.cfg), stop=args.stop,
                   decode=_decoder(tokenizer), temperature=args.temperature, top_k=args.top_k,
                   top_p=args.top_p)
     sampled = bool(args.temperature)

@@ -8,8 +8,8 @@
   split into Llama's projections, and the query and key rows of each attention head are
   reordered from mtp's rotary layout (channels 2i, 2i+1 rotate together) to Llama's (channels i,
   i + hd/2), which leaves every attention score unchanged.
-* ``tokenizer.json``, ``tokenizer_config.json`` (a fast tokenizer whose ``eos_token`` is
-  ``<|endoftext|>``) and ``generation_config.json``.
+* ``tokenizer.json``, ``tokenizer_config.json`` (a fast tokenizer whose ``eos_token`` is the
+  model's end-of-text token, `ModelConfig.eot_token`) and ``generation_config.json``.
 * ``mtp_config.json`` (the model config) and ``mtp_heads.safetensors`` (heads 2..K, in mtp's own
   names): nothing of the model is lost, and `load_export` rebuilds it whole.
 
@@ -67,9 +67,9 @@ def _check_exportable(cfg: ModelConfig) -> None:
 
 def llama_config(cfg: ModelConfig, tokenizer: Tokenizer, dtype: torch.dtype) -> dict:
     """The ``config.json`` of the `LlamaForCausalLM` whose logits are head 1's."""
-    from mtp.checkpoint import EOT_TOKEN
+    from mtp.checkpoint import eot_id
 
-    eot = tokenizer.token_to_id(EOT_TOKEN)
+    eot = eot_id(tokenizer, cfg)
     # Llama's attention_bias would add an output-projection bias too; Qwen2 is the layout with
     # biases on the query, key and value projections only.
     arch, kind = ("Qwen2ForCausalLM", "qwen2") if cfg.attn_bias else ("LlamaForCausalLM", "llama")
@@ -177,7 +177,7 @@ def export(model: MTPTransformer, tokenizer: Tokenizer, output: str | os.PathLik
     """
     from safetensors.torch import save_file
 
-    from mtp.checkpoint import EOT_TOKEN, check_vocab
+    from mtp.checkpoint import check_vocab, eot_id
 
     output = Path(output)
     if output.exists() and not (output.is_dir() and not any(output.iterdir())):
@@ -197,13 +197,13 @@ def export(model: MTPTransformer, tokenizer: Tokenizer, output: str | os.PathLik
         if heads:
             save_file(heads, tmp / MTP_HEADS, metadata={"format": "pt"})
         _write_json(tmp / "config.json", llama_config(cfg, tokenizer, dtype))
-        eot = tokenizer.token_to_id(EOT_TOKEN)
+        eot = eot_id(tokenizer, cfg)
         _write_json(tmp / "generation_config.json",
                     {"eos_token_id": eot, "pad_token_id": eot, "do_sample": False})
         tokenizer.save(str(tmp / "tokenizer.json"))
         _write_json(tmp / "tokenizer_config.json", {
-            "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOT_TOKEN,
-            "pad_token": EOT_TOKEN, "model_max_length": cfg.max_seq_len,
+            "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": cfg.eot_token,
+            "pad_token": cfg.eot_token, "model_max_length": cfg.max_seq_len,
             "clean_up_tokenization_spaces": False})
         _write_json(tmp / MTP_CONFIG, {"format_version": FORMAT_VERSION,
                                        "model_config": dataclasses.asdict(cfg)})
@@ -308,6 +308,9 @@ def pretrained_config(path: str | os.PathLike, cfg: ModelConfig) -> ModelConfig:
                         "layers fix the heads' shape)")
     if problems:
         raise ExportError(f"--model.init_from {path}: mtp cannot reproduce {'; '.join(problems)}")
+    eot = cfg.eot_token
+    if eot == ModelConfig.eot_token:  # the default: the pretrained tokenizer's own
+        eot = pretrained_eos(path) or eot
     theta = hf.get("rope_theta") or rope.get("rope_theta", 10000.0)
     n_layers = hf["num_hidden_layers"]
     if n_layers < 2:
@@ -320,7 +323,34 @@ def pretrained_config(path: str | os.PathLike, cfg: ModelConfig) -> ModelConfig:
         norm_eps=hf.get("rms_norm_eps", 1e-6), tie_embeddings=bool(hf.get(
             "tie_word_embeddings", False)), attn_bias=kind == "qwen2",
         max_seq_len=min(cfg.max_seq_len, hf.get("max_position_embeddings", cfg.max_seq_len)),
-        init_from=str(path))
+        eot_token=eot, init_from=str(path))
+
+
+def pretrained_eos(path: str | os.PathLike) -> str | None:
+    """The end-of-sequence token of a transformers checkpoint directory: ``tokenizer_config.json``'s
+    ``eos_token``, else the token of the first ``eos_token_id`` of ``generation_config.json`` or
+    ``config.json`` (Llama 3 instruct lists several; the first ends a document), else None."""
+    path = Path(path)
+
+    def read(name: str) -> dict:
+        try:
+            return json.loads((path / name).read_text())
+        except (OSError, ValueError):
+            return {}
+
+    eos = read("tokenizer_config.json").get("eos_token")
+    if isinstance(eos, dict):  # an AddedToken written out: {"content": ..., ...}
+        eos = eos.get("content")
+    if isinstance(eos, str) and eos:
+        return eos
+    for name in ("generation_config.json", "config.json"):
+        ids = read(name).get("eos_token_id")
+        first = ids[0] if isinstance(ids, list) and ids else ids
+        if isinstance(first, int) and (path / "tokenizer.json").is_file():
+            token = Tokenizer.from_file(str(path / "tokenizer.json")).id_to_token(first)
+            if token is not None:
+                return token
+    return None
 
 
 def _pretrained_weights(path: Path) -> dict[str, torch.Tensor]:

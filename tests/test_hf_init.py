@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -22,6 +23,7 @@ from mtp.model import MTPTransformer
 
 REPO = Path(__file__).resolve().parents[1]
 MTP = str(Path(sys.executable).parent / "mtp")
+LLAMA3_EOS = "<|end_of_text|>"
 TEXTS = ["def add(a, b):\n    return a + b\n", "for i in range(10):\n    print(i)\n"] * 20
 
 
@@ -30,12 +32,21 @@ def tokenizer():
     return train_tokenizer(TEXTS, 300, 1 << 20)
 
 
-def _pretrained(tmp_path: Path, tokenizer, kind: str = "llama", **kw) -> Path:
+@pytest.fixture(scope="module")
+def llama3_tokenizer():
+    """A tokenizer whose end-of-text token is Llama 3's ``<|end_of_text|>``."""
+    return train_tokenizer(TEXTS, 300, 1 << 20, eot_token=LLAMA3_EOS)
+
+
+def _pretrained(tmp_path: Path, tokenizer, kind: str = "llama", eos: str | None = None,
+                **kw) -> Path:
     """A tiny randomly initialised transformers model, saved as `save_pretrained` does, with
-    norm gains and biases away from their initial values so a misplaced one shows."""
+    norm gains and biases away from their initial values so a misplaced one shows; with `eos`,
+    a ``tokenizer_config.json`` naming it."""
     common = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                  rope_theta=500.0, rms_norm_eps=1e-6, tie_word_embeddings=False) | kw
+                  rope_theta=500.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                  bos_token_id=None, eos_token_id=0) | kw  # id 0: train_tokenizer's end of text
     if kind == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     else:
@@ -48,6 +59,8 @@ def _pretrained(tmp_path: Path, tokenizer, kind: str = "llama", **kw) -> Path:
     out = tmp_path / kind
     model.save_pretrained(out)
     tokenizer.save(str(out / "tokenizer.json"))
+    if eos is not None:
+        (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos}))
     return out
 
 
@@ -114,10 +127,13 @@ def _head_losses(model, tokenizer) -> torch.Tensor:
         return head_metrics(model.eval(), inputs, targets).head_losses
 
 
-def test_medusa_1_trains_only_the_new_heads(tmp_path, tokenizer):
+def test_medusa_1_trains_only_the_new_heads(tmp_path, llama3_tokenizer):
     """`mtp fit --model.init_from DIR --optim.train heads`: the base model is bit-identical
-    afterwards, heads 2..K learned, and greedy self-speculation still equals greedy."""
-    path = _pretrained(tmp_path, tokenizer)
+    afterwards, heads 2..K learned, and greedy self-speculation still equals greedy. The
+    pretrained tokenizer's end-of-text token is Llama 3's, named only by its
+    tokenizer_config.json: it separates the documents, and the checkpoint and its export keep it."""
+    tokenizer = llama3_tokenizer
+    path = _pretrained(tmp_path, tokenizer, eos=LLAMA3_EOS)
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     for i in range(20):
@@ -132,6 +148,17 @@ def test_medusa_1_trains_only_the_new_heads(tmp_path, tokenizer):
     assert proc.returncode == 0, proc.stderr[-3000:]
     trained, tok = load_checkpoint(next((tmp_path / "runs").rglob("last.ckpt")))
     assert tok.to_str() == tokenizer.to_str()  # the pretrained model's tokenizer
+    assert trained.cfg.eot_token == LLAMA3_EOS
+    eos = tokenizer.token_to_id(LLAMA3_EOS)
+    (meta_file,) = (tmp_path / "cache").rglob("meta.json")
+    meta = json.loads(meta_file.read_text())
+    tokens = np.concatenate([np.fromfile(meta_file.parent / f"{s}.bin", dtype=meta["dtype"])
+                             for s in ("train", "val")])
+    assert meta["eot_token"] == LLAMA3_EOS
+    assert (tokens == eos).sum() == sum(meta["documents"].values()) == 20
+    exported = export(trained, tok, tmp_path / "exported")
+    hf_tok = transformers.AutoTokenizer.from_pretrained(exported)
+    assert (hf_tok.eos_token, hf_tok.eos_token_id) == (LLAMA3_EOS, eos)
     base = MTPTransformer(trained.cfg)
     init_from_pretrained(base)
     new = {f"heads.{i}." for i in range(1, 3)}
@@ -214,7 +241,7 @@ def test_self_distillation_teaches_the_new_heads_the_models_own_continuations():
 
 @pytest.mark.parametrize("problem, why", [
     ("bigger", "has 7\\d\\d tokens but the embedding of --model.init_from"),
-    ("no_eot", "has no <\\|endoftext\\|> token"),
+    ("no_eot", "has no end-of-text token '</s>' \\(--model.eot_token\\)"),
     ("missing", "does not exist"),
 ])
 def test_fit_refuses_a_pretrained_tokenizer_that_does_not_fit(tmp_path, tokenizer, capsys,
@@ -231,6 +258,7 @@ def test_fit_refuses_a_pretrained_tokenizer_that_does_not_fit(tmp_path, tokenize
         bigger.save(str(tok_file))
     elif problem == "no_eot":
         Tokenizer(models.WordLevel({"a": 0, "b": 1}, unk_token="a")).save(str(tok_file))
+        (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
     else:
         tok_file.unlink()
     code = main(["fit", "--config", str(REPO / "configs/debug.yaml"), "--model.init_from",
@@ -238,3 +266,26 @@ def test_fit_refuses_a_pretrained_tokenizer_that_does_not_fit(tmp_path, tokenize
     err = capsys.readouterr().err
     assert code == 2 and re.search(why, err), err
     assert not (tmp_path / "cache").exists()  # refused before any data was read
+
+
+def test_the_end_of_text_token_is_the_pretrained_tokenizers_own(tmp_path, llama3_tokenizer):
+    """tokenizer_config.json's eos_token (a string or an AddedToken dict), else the first
+    eos_token_id of generation_config.json or config.json; an explicit --model.eot_token wins."""
+    from mtp.hf import pretrained_eos
+
+    path = _pretrained(tmp_path, llama3_tokenizer)
+    assert pretrained_eos(path) == LLAMA3_EOS  # eos_token_id 0, from generation_config.json
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 0]}))
+    assert pretrained_eos(path) == llama3_tokenizer.id_to_token(5)  # the first of several
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": {"content": "b", "special": True}}))
+    cfg = ModelConfig(n_future=2)
+    assert pretrained_eos(path) == pretrained_config(path, cfg).eot_token == "b"
+    assert pretrained_config(path, ModelConfig(n_future=2, eot_token="a")).eot_token == "a"
+    (path / "tokenizer_config.json").unlink()
+    (path / "generation_config.json").unlink()
+    config = json.loads((path / "config.json").read_text())
+    del config["eos_token_id"]
+    (path / "config.json").write_text(json.dumps(config))
+    assert pretrained_eos(path) is None
+    assert pretrained_config(path, cfg).eot_token == "<|endoftext|>"  # mtp's default
