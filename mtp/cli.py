@@ -34,8 +34,8 @@ from mtp.module import MTPModule
 
 #: Trainer settings of the CPU default run (configs/cpu.yaml spells out the same values).
 TRAINER_DEFAULTS = {
-    "max_steps": 800,
-    "val_check_interval": 200,
+    "max_steps": 400,
+    "val_check_interval": 100,
     "check_val_every_n_epoch": None,
     "limit_val_batches": 10,
     "log_every_n_steps": 10,
