@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 
 from mtp.eval.data import DataError, load_benchmark
@@ -20,6 +21,7 @@ from mtp.eval.harness import (
     load_completions,
     print_table,
 )
+from mtp.eval.provenance import check_or_record, code_revision, path_digest, tasks_digest
 from mtp.eval.sandbox import Limits, detect_isolation
 
 __all__ = ["build_parser", "main"]
@@ -115,7 +117,32 @@ def build_parser() -> argparse.ArgumentParser:
                             "processes together where a memory cgroup can be made")
         p.add_argument("--isolation", choices=("auto", "bwrap", "unshare", "process"),
                        default="auto", help="sandbox method (auto = strongest available)")
+        p.add_argument("--fresh", action="store_true",
+                       help="when --output holds results made otherwise (another checkpoint, "
+                            "benchmark, data, limits or code revision), move them into "
+                            "stale-<time>/ there and start afresh, instead of refusing")
     return parser
+
+
+def produced_by(args: argparse.Namespace, name: str, benchmark, isolation, decoder: str | None
+                ) -> dict:
+    """What the results of this command depend on, each under the flag that sets it (see
+    `mtp.eval.provenance`). `--limit` and `--n-samples` are left out: fewer tasks or samples
+    are a part of the same results, and more extend them."""
+    produced = {
+        "benchmark (--plus, --sanitized)": name,
+        "tasks (--data-file)": tasks_digest(benchmark),
+        "--timeout": args.timeout, "--cpu-limit": args.cpu_limit, "--memory-gb": args.memory_gb,
+        "--isolation": isolation.method, "code revision": code_revision(),
+    }
+    if args.ckpt is not None:
+        produced |= {
+            "--ckpt": path_digest(args.ckpt),
+            "--draft-ckpt": path_digest(args.draft_ckpt) if args.draft_ckpt else None,
+            "--decoder": decoder, "--temperature": args.temperature, "--top-p": args.top_p,
+            "--max-new-tokens": args.max_new_tokens, "--seed": args.seed,
+            "--prompt-format": getattr(args, "prompt_format", None), "--device": args.device}
+    return produced
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,10 +156,29 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def _check_ks(ks: list[int], n: int, what: str) -> None:
+    if min(ks) > n:
+        raise DataError(f"--k {','.join(map(str, ks))}: pass@k needs k <= the samples per task, "
+                        f"and {what} is {n}")
+
+
 def _run(args: argparse.Namespace) -> int:
     name = benchmark_name(args)
+    for flag, path in (("--ckpt", args.ckpt), ("--draft-ckpt", args.draft_ckpt)):
+        if path is not None and not Path(path).exists():
+            raise DataError(f"{flag} {path} does not exist")
     benchmark = load_benchmark(name, args.data_file)
     all_ids = [t.task_id for t in benchmark.tasks]
+    decoder = None
+    if args.ckpt is not None:
+        decoder = args.decoder or ("greedy" if args.temperature == 0 else "sample")
+        _check_ks(args.k, args.n_samples, "--n-samples")
+    isolation = detect_isolation(args.isolation)
+    if args.output is not None:
+        moved = check_or_record(args.output, produced_by(args, name, benchmark, isolation,
+                                                         decoder), fresh=args.fresh)
+        if moved is not None:
+            print(f"mtp eval: earlier results moved to {moved}", file=sys.stderr)
     if args.limit:
         benchmark.tasks = benchmark.tasks[: args.limit]
     fmt = None
@@ -140,7 +186,6 @@ def _run(args: argparse.Namespace) -> int:
         fmt = f"mbpp-{args.prompt_format}"
     limits = Limits(timeout=args.timeout, cpu_seconds=args.cpu_limit,
                     memory_bytes=int(args.memory_gb * 2**30))
-    isolation = detect_isolation(args.isolation)
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     config = GenerationConfig(
         n_samples=args.n_samples, temperature=args.temperature, top_p=args.top_p,
@@ -154,11 +199,13 @@ def _run(args: argparse.Namespace) -> int:
                     "max_new_tokens", "batch_size", "seed", "prompt_format"):
             settings.pop(key, None)  # generation settings mean nothing for given completions
         completions = load_completions(args.completions, benchmark, all_ids=all_ids)
+        per_task = Counter(r["task_id"] for r in completions)
+        _check_ks(args.k, max(per_task.values(), default=0),
+                  f"the most samples per task in {args.completions}")
         summary = evaluate_completions(benchmark, completions=completions, **common)
     else:
         from mtp.eval.completer import load_completer  # lazy: pulls in torch and the model
 
-        decoder = args.decoder or ("greedy" if args.temperature == 0 else "sample")
         settings["decoder"] = decoder
         extra = {"draft_ckpt": args.draft_ckpt} if args.draft_ckpt else {}
         completer = load_completer(args.ckpt, decoder=decoder, device=args.device,

@@ -1,0 +1,119 @@
+"""What produced an evaluation's results, so that a rerun into the same ``--output`` reuses them
+only when all of it matches.
+
+``provenance.json`` in an output directory records, by the flag that sets each one: the
+benchmark and a digest of its tasks, the checkpoint's digest, the generation and scoring
+settings, the sandbox, and the code revision. A rerun compares what it would record with what
+is there: equal, it resumes; different, it refuses and names each difference; with ``--fresh``,
+it moves the old results into ``stale-<time>/`` inside the directory (nothing is deleted) and
+starts afresh. Results without a ``provenance.json`` cannot be checked and are treated as
+different.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+from mtp.eval.data import Benchmark, DataError
+
+__all__ = ["PROVENANCE", "RESULTS", "check_or_record", "code_revision", "path_digest",
+           "tasks_digest"]
+
+PROVENANCE = "provenance.json"
+RESULTS = ("samples.jsonl", "completions.jsonl", "summary.json")
+
+
+def _hash_file(path: Path, h) -> None:
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 23):
+            h.update(chunk)
+
+
+def path_digest(path: str | os.PathLike) -> str:
+    """sha256 of a file, or of a directory's files (names and contents, in name order)."""
+    path = Path(path)
+    h = hashlib.sha256()
+    if path.is_dir():
+        for f in sorted(p for p in path.rglob("*") if p.is_file()):
+            h.update(str(f.relative_to(path)).encode() + b"\0")
+            _hash_file(f, h)
+    else:
+        _hash_file(path, h)
+    return h.hexdigest()
+
+
+def tasks_digest(benchmark: Benchmark) -> str:
+    """sha256 of every task (prompt, tests, entry point, ...) and few-shot example."""
+    tasks = [dataclasses.asdict(t) for t in [*benchmark.tasks, *benchmark.shots]]
+    return hashlib.sha256(json.dumps(tasks, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def code_revision() -> str:
+    """The git revision of the code (``-dirty`` with uncommitted changes), or its version."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
+                             text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=root, capture_output=True, text=True, timeout=10).stdout
+        return rev + ("-dirty" if dirty.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return "mtp " + version("mtp")
+        except PackageNotFoundError:
+            return "unknown"
+
+
+def check_or_record(output_dir: str | os.PathLike, produced: dict, *, fresh: bool = False
+                    ) -> Path | None:
+    """Make sure the results in `output_dir` were produced by `produced`, then record it.
+
+    Returns:
+        Where earlier results were moved (with `fresh`), else None.
+
+    Raises:
+        DataError: If the directory holds results from other settings (each named by its flag)
+            and `fresh` is false.
+    """
+    out = Path(output_dir)
+    record = out / PROVENANCE
+    results = [out / name for name in RESULTS if (out / name).exists()]
+    if record.is_file():
+        try:
+            old = json.loads(record.read_text())
+        except ValueError as err:
+            raise DataError(f"{record} is not valid JSON ({err}); pass --fresh to set the "
+                            f"results beside it aside") from err
+    else:
+        old = None
+    produced = json.loads(json.dumps(produced))  # as it reads back from the file
+    moved = None
+    if old == produced or (old is None and not results):
+        pass
+    elif not fresh:
+        if old is None:
+            why = f"results ({', '.join(p.name for p in results)}) without a {PROVENANCE}"
+        else:
+            why = "results made with other settings: " + "; ".join(
+                f"{k} (then {old.get(k)!r}, now {produced.get(k)!r})"
+                for k in sorted(set(old) | set(produced)) if old.get(k) != produced.get(k))
+        raise DataError(f"--output {out} holds {why}. Choose another --output, or pass --fresh "
+                        f"to move them into {out}/stale-<time>/ and start afresh")
+    else:
+        moved = out / time.strftime("stale-%Y%m%d-%H%M%S")
+        moved.mkdir()
+        for p in [*results, *([record] if record.exists() else [])]:
+            os.replace(p, moved / p.name)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = record.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(produced, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, record)
+    return moved
