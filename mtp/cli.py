@@ -68,19 +68,24 @@ def run_config(namespace) -> RunConfig:
                      compile=CompileConfig(**namespace.compile))
 
 
-def default_callbacks(n_future: int) -> list:
-    """Checkpoints (last and best next-token loss), learning rate, tokens per second and MFU.
+def default_callbacks(n_future: int, *, checkpoints: bool = True, logger: bool = True) -> list:
+    """Checkpoints (last and best next-token loss), learning rate, tokens per second and MFU;
+    without checkpointing (`--trainer.enable_checkpointing false`) no checkpoints, and without
+    a logger (`--trainer.logger false`) nothing that only logs.
 
     MFU needs the device's peak FLOPs, which Lightning knows for GPUs and not for CPUs.
     """
-    return [
-        ModelCheckpoint(monitor="val/next_token_loss", mode="min", save_last=True,
-                        filename="best-{step}"),
-        LearningRateMonitor(logging_interval="step"),
+    callbacks = []
+    if checkpoints:
+        callbacks.append(ModelCheckpoint(monitor="val/next_token_loss", mode="min",
+                                         save_last=True, filename="best-{step}"))
+    if logger:
         # items are input tokens: a window holds T inputs and K extra targets
-        ThroughputMonitor(batch_size_fn=lambda batch: batch.shape[0],
-                          length_fn=lambda batch: batch.shape[1] - n_future, window_size=10),
-    ]
+        callbacks += [LearningRateMonitor(logging_interval="step"),
+                      ThroughputMonitor(batch_size_fn=lambda batch: batch.shape[0],
+                                        length_fn=lambda batch: batch.shape[1] - n_future,
+                                        window_size=10)]
+    return callbacks
 
 
 class MTPCLI(LightningCLI):
@@ -112,8 +117,9 @@ class MTPCLI(LightningCLI):
         run = RunConfig(model=model, data=data, optim=c.optim, loss=c.loss,
                         compile=c.compile)  # cross-checks
         self.run_config = run
-        self.trainer_defaults = {**self.trainer_defaults,
-                                 "callbacks": default_callbacks(run.model.n_future)}
+        self.trainer_defaults = {**self.trainer_defaults, "callbacks": default_callbacks(
+            run.model.n_future, checkpoints=c.trainer.enable_checkpointing is not False,
+            logger=c.trainer.logger not in (False, None))}
         if c.trainer.strategy == "fsdp":  # FSDP2 on CPU and GPU alike (mtp.parallel)
             from mtp.parallel import FSDPStrategy
 

@@ -185,6 +185,20 @@ def test_mtp_fit_end_to_end(tiny_corpus, tmp_path, monkeypatch, capsys):
         main([*args, "--trainer.max_steps", "16", "--model.d_model", "64"])
 
 
+def test_mtp_fit_without_logger_or_checkpoints(tiny_corpus, tmp_path, monkeypatch, capsys):
+    """`--trainer.logger false` and `--trainer.enable_checkpointing false` train and report;
+    the callbacks that need a logger or write checkpoints are left out."""
+    monkeypatch.chdir(tmp_path)
+    code = main(["fit", "--config", str(REPO / "configs" / "debug.yaml"),
+                 "--data.source", str(tiny_corpus), "--trainer.max_steps", "4",
+                 "--trainer.val_check_interval", "4", "--trainer.enable_progress_bar", "false",
+                 "--trainer.logger", "false", "--trainer.enable_checkpointing", "false"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "head 1: loss" in out and "checkpoints:" not in out and "TensorBoard" not in out
+    assert not (tmp_path / "runs").exists() and not list(tmp_path.rglob("*.ckpt"))
+
+
 @pytest.mark.slow
 def test_training_learns_far_below_unigram_entropy(tiny_corpus, tmp_path):
     """A thousand steps of a small model: head-1 validation loss well under the unigram
