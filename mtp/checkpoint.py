@@ -52,8 +52,12 @@ def load_checkpoint(
         return model.to(device), tokenizer
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
-    ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    if "mtp" not in ckpt:
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # torch raises KeyError, UnpicklingError, RuntimeError ... here
+        raise ValueError(f"{path} is not a checkpoint torch can read ({type(err).__name__}: "
+                         f"{err})") from err
+    if not isinstance(ckpt, dict) or "mtp" not in ckpt:
         raise ValueError(f"{path} is not an mtp checkpoint (no 'mtp' entry with config and "
                          "tokenizer)")
     cfg = ModelConfig(**ckpt["mtp"]["model_config"])

@@ -114,6 +114,12 @@ def _load(p: argparse.ArgumentParser, args: argparse.Namespace, decoders: list[s
     if spec and k == 1:
         p.error(f"--decoder {spec[0]} drafts with heads 2..K, but --ckpt {args.ckpt} has a "
                 "single head (--model.n_future 1); use greedy, sample or draft")
+    tree = getattr(args, "tree", None)
+    if tree and "tree" in decoders:
+        widest = max(int(w) for w in tree.split(","))
+        if widest > model.cfg.vocab_size:
+            p.error(f"--tree {tree}: a level of {widest} candidates is wider than the "
+                    f"vocabulary ({model.cfg.vocab_size} tokens)")
     bad = [h for h in heads if not 1 <= h <= k]
     if bad:
         p.error(f"--n-heads must lie in [1, {k}]: --ckpt has {k} heads (got {bad[0]})")

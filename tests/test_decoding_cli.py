@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -135,11 +136,19 @@ def test_generate_other_decoders(ckpts, capsys, decoder) -> None:
         (["--ckpt", "K4", "--decoder", "draft"], "--decoder draft needs --draft-ckpt"),
         (["--ckpt", "missing.ckpt"], "--ckpt: checkpoint missing.ckpt does not exist"),
         (["--ckpt", "K4", "--tree", "3,0"], "--tree must be"),
+        (["--ckpt", "K4", "--tree", "1000,1000,1000"],
+         "the tree 1000,1000,1000 has 1001001000 nodes; one forward verifies at most 4096"),
+        (["--ckpt", "K4", "--decoder", "tree", "--tree", "4000"], "is wider than the vocabulary"),
+        (["--ckpt", "K4", "--decoder", "sample", "--temperature", "nan"],
+         "--temperature must be >= 0 (got nan)"),
+        (["--ckpt", "TEXT"], "notes.txt is not a checkpoint torch can read"),
         (["--ckpt", "K4", "--prompt", "x = 1\n" * 40], "--prompt has"),
     ],
 )
 def test_generate_bad_input_exits_2_naming_the_flag(ckpts, capsys, args, message) -> None:
-    args = [{"K1": ckpts["k1"], "K4": ckpts["k4"]}.get(a, a) for a in args]
+    text = Path(ckpts["k4"]).with_name("notes.txt")
+    text.write_text("e" * 100)
+    args = [{"K1": ckpts["k1"], "K4": ckpts["k4"], "TEXT": str(text)}.get(a, a) for a in args]
     if "--prompt" not in args:
         args += ["--prompt", "def f():"]
     with pytest.raises(SystemExit) as e:

@@ -4,6 +4,7 @@ heads' measured accuracies (Medusa's construction)."""
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -11,7 +12,10 @@ import torch
 
 from mtp.model import MTPTransformer
 
-__all__ = ["Tree", "TreeTensors", "head_accuracy"]
+__all__ = ["MAX_TREE_NODES", "Tree", "TreeTensors", "head_accuracy"]
+
+#: The most nodes a tree may have: one forward verifies them all (Medusa's trees have ~64).
+MAX_TREE_NODES = 4096
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,14 @@ class Tree:
         """The full tree with widths[d] children per node at depth d + 1 (Cartesian product)."""
         if any(w < 1 for w in widths):
             raise ValueError(f"tree widths must be >= 1 (got {list(widths)})")
+        nodes, level_size = 0, 1
+        for w in widths:  # counted before anything is built
+            level_size *= w
+            nodes += level_size
+            if nodes > MAX_TREE_NODES:
+                total = sum(math.prod(widths[:d + 1]) for d in range(len(widths)))
+                raise ValueError(f"the tree {','.join(map(str, widths))} has {total} nodes; one "
+                                 f"forward verifies at most {MAX_TREE_NODES}")
         level, paths = [()], []
         for w in widths:
             level = [p + (r,) for p in level for r in range(w)]
