@@ -17,6 +17,10 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names each offending flag."""
 
 
+#: Tokens of a byte-level BPE before any merge: the 256 bytes and the end-of-text token.
+BYTE_LEVEL_BASE = 257
+
+
 def _raise_if(problems: list[str]) -> None:
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
@@ -350,6 +354,11 @@ class RunConfig:
             p.append(f"--loss.targets self predicts over --data.seq_len + --model.n_future - 1 = "
                      f"{self.data.seq_len + self.model.n_future - 1} positions, more than "
                      f"--model.max_seq_len ({self.model.max_seq_len})")
+        if self.data.tokenizer is None and self.model.init_from is None and \
+                self.model.vocab_size < BYTE_LEVEL_BASE:
+            p.append(f"--model.vocab_size ({self.model.vocab_size}) is below the "
+                     f"{BYTE_LEVEL_BASE} tokens a byte-level BPE starts from (256 bytes and the "
+                     f"end-of-text token); give at least {BYTE_LEVEL_BASE}, or a --data.tokenizer")
         if self.optim.train == "heads" and self.model.n_future < 2:
             p.append("--optim.train heads trains heads 2..K, but --model.n_future is 1")
         w = self.loss.head_weights

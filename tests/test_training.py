@@ -150,6 +150,9 @@ def test_invalid_values_name_every_flag(capsys):
     code = main(["fit", "--data.seq_len", "512"])
     assert code == 2 and "--data.seq_len (512) exceeds --model.max_seq_len (256)" in \
         capsys.readouterr().err
+    code = main(["fit", "--model.vocab_size", "100", "--data.cache_dir", "/nonexistent/cache"])
+    assert code == 2 and "--model.vocab_size (100) is below the 257 tokens" in \
+        capsys.readouterr().err
 
 
 def test_mtp_fit_end_to_end(tiny_corpus, tmp_path, monkeypatch, capsys):
