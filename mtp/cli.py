@@ -1,4 +1,5 @@
-"""The `mtp` command: `fit` (LightningCLI), `generate`, `eval`, `bench`.
+"""`mtp fit` and `mtp validate`: LightningCLI with mtp's config groups (`mtp.command`
+dispatches the other subcommands).
 
 `mtp fit` takes five config groups, each a typed dataclass: `--model.*` (ModelConfig),
 `--data.*` (DataConfig), `--optim.*` (OptimConfig), `--loss.*` (LossConfig), `--compile.*`
@@ -197,52 +198,3 @@ def fit_main(argv: list[str]) -> int:
         parser_kwargs={"description": __doc__, "allow_abbrev": False},
     )
     return 0
-
-
-COMMANDS = {
-    "fit": "train a model (LightningCLI; `mtp fit --help`)",
-    "validate": "evaluate a checkpoint's validation loss (LightningCLI)",
-    "generate": "decode from a checkpoint with any decoder",
-    "eval": "HumanEval / MBPP: generate or score completions, pass@k",
-    "bench": "benchmarks: loss | train | kernel | decode | tokenize | sandbox",
-    "export": "write a checkpoint as a transformers directory (`mtp export hf`)",
-}
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Dispatch `mtp <command> ...`."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: mtp <command> [args]\n\ncommands:")
-        for name, doc in COMMANDS.items():
-            print(f"  {name:<9} {doc}")
-        return 0 if argv else 2
-    cmd, rest = argv[0], argv[1:]
-    if cmd in ("fit", "validate"):
-        try:
-            return fit_main(argv)
-        except ConfigError as err:
-            print(f"mtp {cmd}: {err}", file=sys.stderr)
-            return 2
-    if cmd == "generate":
-        from mtp.decode_cli import generate_main
-
-        return generate_main(rest)
-    if cmd == "eval":
-        from mtp.eval.cli import main as eval_main
-
-        return eval_main(rest)
-    if cmd == "bench":
-        from mtp.bench import main as bench_main
-
-        return bench_main(rest)
-    if cmd == "export":
-        from mtp.hf import export_main
-
-        return export_main(rest)
-    print(f"mtp: unknown command {cmd!r}; choose from {', '.join(COMMANDS)}", file=sys.stderr)
-    return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

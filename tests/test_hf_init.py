@@ -248,7 +248,7 @@ def test_fit_refuses_a_pretrained_tokenizer_that_does_not_fit(tmp_path, tokenize
                                                               problem, why):
     from tokenizers import Tokenizer, models
 
-    from mtp.cli import main
+    from mtp.command import main
 
     path = _pretrained(tmp_path, tokenizer)
     tok_file = path / "tokenizer.json"

@@ -1,5 +1,7 @@
 """Training through Lightning: resume, checkpoints, the `mtp fit` CLI, every shipped YAML."""
 
+import subprocess
+import sys
 from pathlib import Path
 
 import lightning as L
@@ -10,7 +12,8 @@ from lightning.pytorch.cli import LightningArgumentParser
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from mtp.checkpoint import load_checkpoint
-from mtp.cli import add_run_arguments, main, run_config
+from mtp.cli import add_run_arguments, run_config
+from mtp.command import main
 from mtp.config import DataConfig, LossConfig, ModelConfig, OptimConfig
 from mtp.data import MTPDataModule
 from mtp.module import MTPModule, lr_factor
@@ -254,3 +257,12 @@ def test_train_accuracy_is_computed_on_the_steps_that_are_logged(tiny_corpus, tm
     rows = csv.DictReader((tmp_path / "lightning_logs" / "version_0" / "metrics.csv").open())
     logged = [int(r["step"]) for r in rows if r.get("train/acc_head1")]
     assert logged and logged == computed == [3, 7, 11]
+
+
+def test_mtp_help_imports_nothing_heavy():
+    """`mtp --help` answers without importing torch or Lightning (seconds each)."""
+    code = ("import sys; from mtp.command import main; assert main(['--help']) == 0; "
+            "heavy = {'torch', 'lightning', 'numpy'} & set(sys.modules); assert not heavy, heavy")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "generate" in proc.stdout and "export" in proc.stdout
