@@ -31,6 +31,7 @@ from mtp.config import (
     RunConfig,
 )
 from mtp.data import MTPDataModule, build_datamodule, unigram_entropy
+from mtp.fault import AtomicCheckpointIO, Interruptible
 from mtp.module import MTPModule
 
 #: Trainer settings of the CPU default run (configs/cpu.yaml spells out the same values).
@@ -90,7 +91,13 @@ def default_callbacks(n_future: int, *, checkpoints: bool = True, logger: bool =
 
 
 class MTPCLI(LightningCLI):
-    """LightningCLI whose groups are mtp's config dataclasses rather than class signatures."""
+    """LightningCLI whose groups are mtp's config dataclasses rather than class signatures;
+    its trainer saves checkpoints atomically and stops cleanly on SIGINT / SIGTERM
+    (`mtp.fault`)."""
+
+    def __init__(self, *args, argv: list[str], **kwargs) -> None:
+        self.interrupt = Interruptible(argv)
+        super().__init__(*args, **kwargs)
 
     def add_core_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         add_run_arguments(parser)
@@ -118,9 +125,9 @@ class MTPCLI(LightningCLI):
         run = RunConfig(model=model, data=data, optim=c.optim, loss=c.loss,
                         compile=c.compile)  # cross-checks
         self.run_config = run
-        self.trainer_defaults = {**self.trainer_defaults, "callbacks": default_callbacks(
+        self.trainer_defaults = {**self.trainer_defaults, "callbacks": [*default_callbacks(
             run.model.n_future, checkpoints=c.trainer.enable_checkpointing is not False,
-            logger=c.trainer.logger not in (False, None))}
+            logger=c.trainer.logger not in (False, None)), self.interrupt]}
         if c.trainer.strategy == "fsdp":  # FSDP2 on CPU and GPU alike (mtp.parallel)
             from mtp.parallel import FSDPStrategy
 
@@ -130,9 +137,13 @@ class MTPCLI(LightningCLI):
                                            n_future=run.model.n_future,
                                            eot_token=run.model.eot_token)
         self.trainer = self.instantiate_trainer()
+        self.trainer.strategy.checkpoint_io = AtomicCheckpointIO()
 
     def after_fit(self) -> None:
         from mtp.parallel import full_model
+
+        if self.interrupt.requested is not None:
+            return  # `fit_main` says where the run was saved
 
         model = full_model(self.model.model)  # a collective under FSDP: on every rank
         if self.trainer.is_global_zero:
@@ -187,7 +198,8 @@ def report_fit(trainer, module: MTPModule, dm: MTPDataModule, model) -> None:
 def fit_main(argv: list[str]) -> int:
     """`mtp fit|validate ...`: LightningCLI with mtp's config groups."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
-    MTPCLI(
+    cli = MTPCLI(
+        argv=argv,
         model_class=MTPModule,
         datamodule_class=MTPDataModule,
         args=None if argv == sys.argv[1:] else argv,
@@ -197,4 +209,5 @@ def fit_main(argv: list[str]) -> int:
         save_config_kwargs={"overwrite": True},
         parser_kwargs={"description": __doc__, "allow_abbrev": False},
     )
-    return 0
+    status = cli.interrupt.report() if cli.trainer.is_global_zero else None
+    return status or 0
