@@ -102,7 +102,8 @@ class MTPModule(L.LightningModule):
                        f"heads sharded over {mesh.size()} ranks")
 
     # -- optimisation ----------------------------------------------------------------------
-    def configure_optimizers(self):
+    def _param_groups(self) -> list[dict]:
+        """AdamW's parameter groups: new heads or pretrained part, decayed or not."""
         o = self.optim_cfg
         new = {id(p) for head in self.model.heads[1:] for p in head.parameters()}
         groups: dict[tuple[bool, bool], list] = {}
@@ -114,12 +115,14 @@ class MTPModule(L.LightningModule):
             # Norm gains and biases are 1-D; embeddings are lookups: decaying either only hurts.
             decays = p.dim() >= 2 and id(p) not in embeddings
             groups.setdefault((id(p) in new, decays), []).append(p)
-        optimizer = torch.optim.AdamW(
-            [{"params": params, "weight_decay": o.weight_decay if decays else 0.0,
-              "lr": o.lr if is_new else o.lr * o.pretrained_lr_scale}
-             for (is_new, decays), params in groups.items()],
-            lr=o.lr, betas=o.betas, eps=o.eps, fused=None,
-        )
+        return [{"params": params, "weight_decay": o.weight_decay if decays else 0.0,
+                 "lr": o.lr if is_new else o.lr * o.pretrained_lr_scale}
+                for (is_new, decays), params in groups.items()]
+
+    def configure_optimizers(self):
+        o = self.optim_cfg
+        optimizer = torch.optim.AdamW(self._param_groups(), lr=o.lr, betas=o.betas, eps=o.eps,
+                                      fused=None)
         total = o.decay_steps or self.trainer.max_steps
         if total is None or total < 1:
             raise ValueError("set --trainer.max_steps or --optim.decay_steps: the cosine "
@@ -129,12 +132,41 @@ class MTPModule(L.LightningModule):
         return {"optimizer": optimizer,
                 "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
+    def on_train_start(self) -> None:
+        """A run resumed with other `--optim.*` values trains with them: the restored
+        optimiser and schedule would otherwise keep the checkpoint's (the schedule's shape,
+        warmup and decay, follows the config anyway)."""
+        changed = getattr(self, "_resumed_optim", None)
+        if not changed:
+            return
+        o = self.optim_cfg
+        optimizer = self.optimizers().optimizer
+        scheduler = self.lr_schedulers()
+        for group, want in zip(optimizer.param_groups, self._param_groups()):
+            group.update(initial_lr=want["lr"], weight_decay=want["weight_decay"],
+                         betas=o.betas, eps=o.eps)
+        scheduler.base_lrs = [g["initial_lr"] for g in optimizer.param_groups]
+        for group, lr in zip(optimizer.param_groups, scheduler.base_lrs):
+            group["lr"] = lr * lr_factor(scheduler.last_epoch, o.warmup_steps,
+                                         o.decay_steps or self.trainer.max_steps, o.min_lr_ratio)
+        rank_zero_info("resumed with other optimiser settings, now applied: " + ", ".join(
+            f"--optim.{k} (checkpoint {a!r}, now {b!r})" for k, (a, b) in changed.items()))
+
     # -- checkpoints carry what inference needs ---------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["mtp"] = mtp_metadata(self.model_cfg, self.trainer.datamodule.tokenizer)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         check_checkpoint_config(checkpoint, self.model_cfg)
+        saved = checkpoint.get("hyper_parameters", {}).get("optim", {})
+        ours = dataclasses.asdict(self.optim_cfg)
+        if "train" in saved and saved["train"] != ours["train"]:
+            raise ValueError(f"the checkpoint trained --optim.train {saved['train']}, now "
+                             f"{ours['train']}: that changes which parameters the optimiser "
+                             f"holds, so its state cannot carry over; resume with --optim.train "
+                             f"{saved['train']}")
+        self._resumed_optim = {k: (saved[k], v) for k, v in ours.items()
+                               if k in saved and saved[k] != v and k != "train"}
         dm = self.trainer.datamodule if self._trainer is not None else None
         saved = checkpoint.get("mtp", {}).get("tokenizer")
         if dm is not None and dm.tokenizer is not None and saved is not None \

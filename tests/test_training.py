@@ -1,5 +1,6 @@
 """Training through Lightning: resume, checkpoints, the `mtp fit` CLI, every shipped YAML."""
 
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -34,11 +35,11 @@ class Record(L.Callback):
 
 
 def _fit(corpus, tmp_path, max_steps, *, ckpt_path=None, save_to=None, accumulate=1,
-         model_cfg=TINY, tokenizer=None):
+         model_cfg=TINY, tokenizer=None, optim=None):
     L.seed_everything(0)
     data = DataConfig(source=str(corpus), cache_dir=str(tmp_path / "cache"), seq_len=16,
                       batch_size=4, val_fraction=0.1, tokenizer=tokenizer)
-    module = MTPModule(model_cfg, OptimConfig(lr=1e-2, warmup_steps=2, decay_steps=10),
+    module = MTPModule(model_cfg, optim or OptimConfig(lr=1e-2, warmup_steps=2, decay_steps=10),
                        LossConfig())
     dm = MTPDataModule(data, vocab_size=model_cfg.vocab_size, n_future=model_cfg.n_future)
     rec = Record()
@@ -63,6 +64,26 @@ def test_resume_continues_step_lr_data_and_loss(tiny_corpus, tmp_path, accumulat
     for a, b in zip(second, full[len(first):]):
         assert a[0] == b[0] and a[2] == pytest.approx(b[2], rel=1e-12) and a[3] == b[3]
         assert a[1] == pytest.approx(b[1], rel=1e-5), "loss after resume differs"
+
+
+def test_resume_applies_changed_optimiser_settings(tiny_corpus, tmp_path, caplog):
+    """A resume with another --optim.lr and weight decay trains as a run that had them from
+    the start would at those steps; another --optim.train is refused, naming it."""
+    ckpt = tmp_path / "half.ckpt"
+    _fit(tiny_corpus, tmp_path, 4, save_to=ckpt)
+    other = OptimConfig(lr=2e-2, weight_decay=0.05, warmup_steps=2, decay_steps=10)
+    reference = _fit(tiny_corpus, tmp_path, 8, optim=other)
+    lightning_log = logging.getLogger("lightning.pytorch")
+    lightning_log.addHandler(caplog.handler)  # Lightning's logger does not propagate
+    try:
+        with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+            resumed = _fit(tiny_corpus, tmp_path, 8, ckpt_path=ckpt, optim=other)
+    finally:
+        lightning_log.removeHandler(caplog.handler)
+    assert [r[2] for r in resumed] == pytest.approx([r[2] for r in reference[4:]], rel=1e-12)
+    assert "--optim.lr (checkpoint 0.01, now 0.02)" in caplog.text
+    with pytest.raises(ValueError, match="--optim.train all, now heads"):
+        _fit(tiny_corpus, tmp_path, 8, ckpt_path=ckpt, optim=OptimConfig(train="heads"))
 
 
 def test_resume_with_another_tokenizer_is_refused(tiny_corpus, tmp_path):
