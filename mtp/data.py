@@ -37,7 +37,7 @@ import sysconfig
 from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -751,20 +751,42 @@ def _finish(spec: SourceSpec, writer: _ShardWriter, root: Path, key: dict, state
 
 
 def load_shards(root: Path) -> tuple[dict, np.memmap, np.memmap]:
-    """A complete shard's meta and its two token files, each checked against meta's count."""
+    """A complete shard's meta and its two token files, each checked against meta's token
+    count and sha256 before anything reads it.
+
+    Hashing reads the whole file, so a file that passed is noted in ``verified.json`` with its
+    size and modification time, and is hashed again only when either changes.
+    """
     meta = json.loads((root / "meta.json").read_text())
     dtype = np.dtype(meta["dtype"])
-    arrays = []
+    try:
+        verified = json.loads((root / "verified.json").read_text())
+    except (OSError, ValueError):
+        verified = {}
+    arrays, changed = [], False
     for split in SPLITS:
         path = root / f"{split}.bin"
         expected = meta[f"{split}_tokens"] * dtype.itemsize
-        actual = path.stat().st_size if path.is_file() else 0
+        stat = path.stat() if path.is_file() else None
+        actual = stat.st_size if stat else 0
         if actual != expected:
             raise ValueError(
                 f"token shard {path} holds {actual} bytes but {root / 'meta.json'} records "
                 f"{meta[f'{split}_tokens']} tokens ({expected} bytes): the file was truncated or "
                 f"overwritten; delete {root} to tokenise the source again")
+        seen = [stat.st_size, stat.st_mtime_ns]
+        want = meta.get("sha256", {}).get(split)
+        if want is not None and verified.get(split) != [*seen, want]:
+            if _sha256(path) != want:
+                raise ValueError(
+                    f"token shard {path} does not match the sha256 that {root / 'meta.json'} "
+                    f"records: the file was overwritten after it was tokenised; delete {root} "
+                    f"to tokenise the source again")
+            verified[split], changed = [*seen, want], True
         arrays.append(np.memmap(path, dtype=dtype, mode="r"))
+    if changed:
+        with suppress(OSError):  # a read-only cache is hashed on every load instead
+            _write_json(root / "verified.json", verified)
     return meta, *arrays
 
 

@@ -291,6 +291,19 @@ def test_a_truncated_shard_is_an_error_naming_the_file(tiny_corpus, tmp_path):
     assert len(dm.train_tokens) > 0
 
 
+def test_a_shard_overwritten_in_place_is_an_error_naming_the_file(tiny_corpus, tmp_path):
+    """Garbage of the right size (a crash inside the embedding before) fails the sha256 check,
+    also after an earlier load recorded the file as verified."""
+    _dm(tiny_corpus, tmp_path)
+    (shard,) = (tmp_path / "cache" / "tokens").iterdir()
+    assert json.loads((shard / "verified.json").read_text())["train"][2] == \
+        json.loads((shard / "meta.json").read_text())["sha256"]["train"]
+    size = (shard / "train.bin").stat().st_size
+    (shard / "train.bin").write_bytes(b"\xff" * size)
+    with pytest.raises(ValueError, match=r"train\.bin does not match the sha256"):
+        _dm(tiny_corpus, tmp_path)
+
+
 def test_max_tokens_bounds_the_training_split(tiny_corpus, tmp_path):
     full = _dm(tiny_corpus, tmp_path)
     dm = _dm(tiny_corpus, tmp_path, max_tokens=3000)
