@@ -124,6 +124,8 @@ class MTPCLI(LightningCLI):
             _check_pretrained_tokenizer(Path(data.tokenizer), model)
         run = RunConfig(model=model, data=data, optim=c.optim, loss=c.loss,
                         compile=c.compile)  # cross-checks
+        if c.get("ckpt_path"):
+            _check_resume_checkpoint(Path(c.ckpt_path), run.model)
         self.run_config = run
         self.trainer_defaults = {**self.trainer_defaults, "callbacks": [*default_callbacks(
             run.model.n_future, checkpoints=c.trainer.enable_checkpointing is not False,
@@ -148,6 +150,26 @@ class MTPCLI(LightningCLI):
         model = full_model(self.model.model)  # a collective under FSDP: on every rank
         if self.trainer.is_global_zero:
             report_fit(self.trainer, self.model, self.datamodule, model.to(self.model.device))
+
+
+def _check_resume_checkpoint(path: Path, model: ModelConfig) -> None:
+    """Before any data is read: `--ckpt_path` must be an mtp checkpoint of this model config
+    (read memory-mapped, so a large checkpoint costs no more than its header)."""
+    from mtp.module import check_checkpoint_config
+
+    if not path.is_file():
+        raise ConfigError(f"--ckpt_path {path} does not exist")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as err:  # torch raises KeyError, UnpicklingError, RuntimeError ... here
+        raise ConfigError(f"--ckpt_path {path} is not a checkpoint torch can read "
+                          f"({type(err).__name__}: {err})") from None
+    if not isinstance(ckpt, dict) or "mtp" not in ckpt or "state_dict" not in ckpt:
+        raise ConfigError(f"--ckpt_path {path} is not a checkpoint of mtp fit (no 'mtp' entry)")
+    try:
+        check_checkpoint_config(ckpt, model)
+    except ValueError as err:
+        raise ConfigError(f"--ckpt_path {path}: {err}") from None
 
 
 def _check_pretrained_tokenizer(path: Path, model: ModelConfig) -> None:

@@ -177,6 +177,10 @@ def test_invalid_values_name_every_flag(capsys):
     code = main(["fit", "--model.vocab_size", "100", "--data.cache_dir", "/nonexistent/cache"])
     assert code == 2 and "--model.vocab_size (100) is below the 257 tokens" in \
         capsys.readouterr().err
+    code = main(["fit", "--ckpt_path", "/nonexistent/last.ckpt",
+                 "--data.cache_dir", "/nonexistent/cache"])  # checked before any data is read
+    assert code == 2 and "--ckpt_path /nonexistent/last.ckpt does not exist" in \
+        capsys.readouterr().err
 
 
 def test_mtp_fit_end_to_end(tiny_corpus, tmp_path, monkeypatch, capsys):
@@ -208,8 +212,9 @@ def test_mtp_fit_end_to_end(tiny_corpus, tmp_path, monkeypatch, capsys):
     assert main([*args, "--trainer.max_steps", "14"]) == 0
     assert torch.load(tmp_path / "runs" / "mtp" / "version_1" / "checkpoints" / "last.ckpt",
                       weights_only=True)["global_step"] == 14
-    with pytest.raises(ValueError, match="--model.d_model"):
-        main([*args, "--trainer.max_steps", "16", "--model.d_model", "64"])
+    capsys.readouterr()
+    assert main([*args, "--trainer.max_steps", "16", "--model.d_model", "64"]) == 2
+    assert "--model.d_model (checkpoint 32, now 64)" in capsys.readouterr().err
 
 
 def test_mtp_fit_without_logger_or_checkpoints(tiny_corpus, tmp_path, monkeypatch, capsys):
