@@ -233,7 +233,8 @@ def _load_hub(spec: SourceSpec):
                                      streaming=spec.streaming)
     except Exception as err:  # datasets raises many types; keep it, add which source it was
         kind = FileNotFoundError if isinstance(err, FileNotFoundError) else ValueError
-        raise kind(f"{spec.label} could not be loaded: {err}") from err
+        raise kind(f"{spec.label} is no local file or directory, and as a Hugging Face dataset "
+                   f"it could not be loaded: {err}") from err
 
 
 def _records(spec: SourceSpec, start: int) -> Iterator[tuple[str, str | None]]:

@@ -456,5 +456,6 @@ def test_hub_sources_stream_rows_and_name_the_source_on_errors(tmp_path, monkeyp
     mixture = DataConfig(cache_dir=str(tmp_path), tokenizer_train_bytes=1000, sources=[
         {"source": "org/code", "text_field": "content"}, {"source": "org/missing"}])
     with pytest.raises(FileNotFoundError,
-                       match=r"--data\.sources\[1\]\.source 'org/missing' could not be loaded"):
+                       match=r"--data\.sources\[1\]\.source 'org/missing' is no local file or "
+                             r"directory, and as a Hugging Face dataset it could not be loaded"):
         MTPDataModule(mixture, vocab_size=300, n_future=2).prepare_data()
