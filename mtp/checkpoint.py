@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from mtp.config import ModelConfig
+from mtp.config import InputError, MissingInput, ModelConfig
 from mtp.model import MTPTransformer
 
 #: The default end-of-text token (`ModelConfig.eot_token`), which mtp's own tokenizers hold.
@@ -51,14 +51,14 @@ def load_checkpoint(
         model, tokenizer = load_export(path)
         return model.to(device), tokenizer
     if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {path} does not exist")
+        raise MissingInput(f"checkpoint {path} does not exist")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # torch raises KeyError, UnpicklingError, RuntimeError ... here
-        raise ValueError(f"{path} is not a checkpoint torch can read ({type(err).__name__}: "
+        raise InputError(f"{path} is not a checkpoint torch can read ({type(err).__name__}: "
                          f"{err})") from err
     if not isinstance(ckpt, dict) or "mtp" not in ckpt:
-        raise ValueError(f"{path} is not an mtp checkpoint (no 'mtp' entry with config and "
+        raise InputError(f"{path} is not an mtp checkpoint (no 'mtp' entry with config and "
                          "tokenizer)")
     cfg = ModelConfig(**ckpt["mtp"]["model_config"])
     tokenizer = Tokenizer.from_str(ckpt["mtp"]["tokenizer"])
@@ -74,7 +74,7 @@ def check_vocab(tokenizer: Tokenizer, cfg: ModelConfig, *, source: str) -> None:
     """Raise if the tokenizer can produce ids the model has no embedding for."""
     n = tokenizer.get_vocab_size()
     if n > cfg.vocab_size:
-        raise ValueError(
+        raise InputError(
             f"tokenizer from {source} has {n} tokens but the model's vocabulary "
             f"(--model.vocab_size) is {cfg.vocab_size}"
         )
@@ -85,6 +85,6 @@ def eot_id(tokenizer: Tokenizer, cfg: ModelConfig, *, source: str = "the checkpo
     """The id of the model's end-of-text token (`cfg.eot_token`) in `tokenizer`."""
     i = tokenizer.token_to_id(cfg.eot_token)
     if i is None:
-        raise ValueError(f"tokenizer from {source} has no end-of-text token {cfg.eot_token!r} "
+        raise InputError(f"tokenizer from {source} has no end-of-text token {cfg.eot_token!r} "
                          f"(--model.eot_token)")
     return i

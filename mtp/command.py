@@ -19,8 +19,25 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Dispatch `mtp <command> ...`."""
+    """Dispatch `mtp <command> ...`. A user's mistake (`mtp.config.UserError`) is reported in a
+    line or two and exits 2; `--debug` anywhere on the line shows its traceback instead."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    debug = "--debug" in argv
+    if debug:
+        argv = [a for a in argv if a != "--debug"]
+    try:
+        return _dispatch(argv)
+    except Exception as err:
+        from mtp.config import UserError
+
+        if debug or not isinstance(err, UserError):
+            raise
+        print(f"mtp {argv[0]}: error: {err}\n(--debug shows where it was raised)",
+              file=sys.stderr)
+        return 2
+
+
+def _dispatch(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: mtp <command> [args]\n\ncommands:")
         for name, doc in COMMANDS.items():
@@ -29,13 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     cmd, rest = argv[0], argv[1:]
     if cmd in ("fit", "validate"):
         from mtp.cli import fit_main
-        from mtp.config import ConfigError
 
-        try:
-            return fit_main(argv)
-        except ConfigError as err:
-            print(f"mtp {cmd}: {err}", file=sys.stderr)
-            return 2
+        return fit_main(argv)
     if cmd == "generate":
         from mtp.decode_cli import generate_main
 

@@ -13,8 +13,21 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 
-class ConfigError(ValueError):
+class UserError(Exception):
+    """A mistake in a command line, a file or a value; the message names it. `mtp` reports
+    these in a line or two and exits 2 (with `--debug`, with the traceback)."""
+
+
+class ConfigError(ValueError, UserError):
     """A configuration value is invalid; the message names each offending flag."""
+
+
+class InputError(ValueError, UserError):
+    """A file or value given to mtp is unusable (a corpus, tokenizer, shard or checkpoint)."""
+
+
+class MissingInput(FileNotFoundError, UserError):
+    """A file or directory given to mtp does not exist or holds nothing usable."""
 
 
 #: Tokens of a byte-level BPE before any merge: the 256 bytes and the end-of-text token.

@@ -49,7 +49,7 @@ from torch.utils.data import ConcatDataset, DataLoader, Dataset, Sampler
 from tqdm.auto import tqdm
 
 from mtp.checkpoint import EOT_TOKEN
-from mtp.config import DataConfig
+from mtp.config import DataConfig, InputError, MissingInput
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +153,7 @@ def source_specs(cfg: DataConfig) -> list[SourceSpec]:
         elif _looks_local(spec.source):
             files = _local_files(spec.source)
             if not files:
-                raise FileNotFoundError(
+                raise MissingInput(
                     f"{spec.label} matches no .py, .txt, .jsonl or .parquet files")
             # names relative to the files' common folder: the split does not depend on where
             # the corpus lives or on how it was named (directory or glob)
@@ -209,7 +209,7 @@ def _as_text(value: object) -> str:
 
 def _check_field(row: dict, spec: SourceSpec, where: str) -> None:
     if spec.text_field not in row:
-        raise ValueError(f"{where} has no field {spec.text_field!r} ({spec.flag('text_field')}); "
+        raise InputError(f"{where} has no field {spec.text_field!r} ({spec.flag('text_field')}); "
                          f"fields: {list(row)}")
 
 
@@ -232,7 +232,7 @@ def _load_hub(spec: SourceSpec):
         return datasets.load_dataset(spec.source, spec.hf_config, split=spec.hf_split,
                                      streaming=spec.streaming)
     except Exception as err:  # datasets raises many types; keep it, add which source it was
-        kind = FileNotFoundError if isinstance(err, FileNotFoundError) else ValueError
+        kind = MissingInput if isinstance(err, FileNotFoundError) else InputError
         raise kind(f"{spec.label} is no local file or directory, and as a Hugging Face dataset "
                    f"it could not be loaded: {err}") from err
 
@@ -303,11 +303,11 @@ class Corpus:
 
 def _check_split_sizes(spec: SourceSpec, n_train: int, n_val: int, skipped: int) -> None:
     if n_train + n_val == 0:
-        raise ValueError(f"{spec.label} holds no non-empty documents "
+        raise InputError(f"{spec.label} holds no non-empty documents "
                          f"({skipped} files skipped as unreadable or not UTF-8)")
     # a tiny corpus with nothing held out gives its last training document to validation
     if n_train - (n_val == 0) < 1:
-        raise ValueError(f"{spec.label} has too few documents to split into train and "
+        raise InputError(f"{spec.label} has too few documents to split into train and "
                          "validation")
 
 
@@ -375,20 +375,20 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     """A `tokenizer.json`, with a message naming the file when it is missing or malformed."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"--data.tokenizer {path} does not exist")
+        raise MissingInput(f"--data.tokenizer {path} does not exist")
     try:
         return Tokenizer.from_file(str(path))
     except Exception as err:  # tokenizers raises a bare Exception on bad JSON
-        raise ValueError(f"--data.tokenizer {path} is not a valid tokenizer.json: {err}") from err
+        raise InputError(f"--data.tokenizer {path} is not a valid tokenizer.json: {err}") from err
 
 
 def _check_tokenizer(tok: Tokenizer, vocab_size: int, source: str, eot_token: str) -> None:
     if tok.token_to_id(eot_token) is None:
-        raise ValueError(f"--data.tokenizer {source} has no end-of-text token {eot_token!r} "
+        raise InputError(f"--data.tokenizer {source} has no end-of-text token {eot_token!r} "
                          f"(--model.eot_token)")
     # fewer tokens than embedding rows is fine (pretrained models pad their embeddings)
     if tok.get_vocab_size() > vocab_size:
-        raise ValueError(f"--data.tokenizer {source} has a vocabulary of {tok.get_vocab_size()} "
+        raise InputError(f"--data.tokenizer {source} has a vocabulary of {tok.get_vocab_size()} "
                          f"tokens but --model.vocab_size is {vocab_size}")
 
 
@@ -665,7 +665,7 @@ def _build_locked(spec: SourceSpec, tokenizer: Tokenizer, root: Path, workers: i
                   key: dict, eot_token: str) -> dict:
     eot = tokenizer.token_to_id(eot_token)
     if eot is None:
-        raise ValueError(f"the tokenizer has no end-of-text token {eot_token!r} "
+        raise InputError(f"the tokenizer has no end-of-text token {eot_token!r} "
                          f"(--model.eot_token)")
     dtype = _dtype_for(tokenizer.get_vocab_size())
     progress = _resume_point(root, key)
@@ -771,7 +771,7 @@ def load_shards(root: Path) -> tuple[dict, np.memmap, np.memmap]:
         stat = path.stat() if path.is_file() else None
         actual = stat.st_size if stat else 0
         if actual != expected:
-            raise ValueError(
+            raise InputError(
                 f"token shard {path} holds {actual} bytes but {root / 'meta.json'} records "
                 f"{meta[f'{split}_tokens']} tokens ({expected} bytes): the file was truncated or "
                 f"overwritten; delete {root} to tokenise the source again")
@@ -779,7 +779,7 @@ def load_shards(root: Path) -> tuple[dict, np.memmap, np.memmap]:
         want = meta.get("sha256", {}).get(split)
         if want is not None and verified.get(split) != [*seen, want]:
             if _sha256(path) != want:
-                raise ValueError(
+                raise InputError(
                     f"token shard {path} does not match the sha256 that {root / 'meta.json'} "
                     f"records: the file was overwritten after it was tokenised; delete {root} "
                     f"to tokenise the source again")
@@ -805,7 +805,7 @@ class TokenWindows(Dataset):
         self.tokens, self.seq_len, self.width = tokens, seq_len, seq_len + n_future
         self.n = max(0, (len(tokens) - self.width) // seq_len + 1)
         if self.n == 0:
-            raise ValueError(f"a split of {len(tokens)} tokens is shorter than one window of "
+            raise InputError(f"a split of {len(tokens)} tokens is shorter than one window of "
                              f"--data.seq_len + K = {self.width} tokens")
 
     def __len__(self) -> int:
@@ -905,7 +905,7 @@ def _windows(tokens: np.ndarray, spec: SourceSpec, split: str, seq_len: int,
     try:
         return TokenWindows(tokens, seq_len, n_future)
     except ValueError as err:
-        raise ValueError(f"{spec.label}, {split} split: {err}") from err
+        raise InputError(f"{spec.label}, {split} split: {err}") from err
 
 
 def _available_cpus() -> int:

@@ -10,7 +10,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from mtp.checkpoint import mtp_metadata
-from mtp.config import CompileConfig, LossConfig, ModelConfig, OptimConfig
+from mtp.config import CompileConfig, ConfigError, LossConfig, ModelConfig, OptimConfig
 from mtp.loss import (
     MTPLossOutput,
     head_metrics,
@@ -161,7 +161,7 @@ class MTPModule(L.LightningModule):
         saved = checkpoint.get("hyper_parameters", {}).get("optim", {})
         ours = dataclasses.asdict(self.optim_cfg)
         if "train" in saved and saved["train"] != ours["train"]:
-            raise ValueError(f"the checkpoint trained --optim.train {saved['train']}, now "
+            raise ConfigError(f"the checkpoint trained --optim.train {saved['train']}, now "
                              f"{ours['train']}: that changes which parameters the optimiser "
                              f"holds, so its state cannot carry over; resume with --optim.train "
                              f"{saved['train']}")
@@ -171,7 +171,7 @@ class MTPModule(L.LightningModule):
         saved = checkpoint.get("mtp", {}).get("tokenizer")
         if dm is not None and dm.tokenizer is not None and saved is not None \
                 and saved != dm.tokenizer.to_str():
-            raise ValueError(
+            raise ConfigError(
                 "the checkpoint was trained with a different tokenizer than --data gives now "
                 f"(checkpoint vocabulary: {_vocab_size(saved)}, data tokenizer: "
                 f"{dm.tokenizer.get_vocab_size()}); resume with the same --data.source and "
@@ -221,7 +221,7 @@ def check_checkpoint_config(checkpoint: dict, model_cfg: ModelConfig) -> None:
     differ = [f"--model.{k} (checkpoint {saved_cfg[k]!r}, now {ours[k]!r})"
               for k in ours if k in saved_cfg and saved_cfg[k] != ours[k]]
     if differ:
-        raise ValueError("the checkpoint was trained with another model config: "
+        raise ConfigError("the checkpoint was trained with another model config: "
                          + ", ".join(differ))
 
 

@@ -183,6 +183,20 @@ def test_invalid_values_name_every_flag(capsys):
         capsys.readouterr().err
 
 
+def test_a_user_error_is_two_lines_and_debug_shows_the_traceback(tmp_path, capsys):
+    from mtp.config import MissingInput
+
+    args = ["fit", "--config", str(REPO / "configs" / "debug.yaml"), "--data.source",
+            str(tmp_path / "missing"), "--data.cache_dir", str(tmp_path / "cache")]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-2:] == [f"mtp fit: error: --data.source '{tmp_path / 'missing'}' matches no .py, "
+                        f".txt, .jsonl or .parquet files", "(--debug shows where it was raised)"]
+    assert not any("Traceback" in line for line in err)
+    with pytest.raises(MissingInput):
+        main([*args, "--debug"])
+
+
 def test_mtp_fit_end_to_end(tiny_corpus, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     code = main(["fit", "--config", str(REPO / "configs" / "debug.yaml"),
