@@ -331,13 +331,17 @@ def bench_loss(args: argparse.Namespace) -> list[dict]:
     for r in rows:
         if r["status"] != "ok":
             continue
-        base_k1 = by.get((r["method"], min(args.ks)))
-        naive = by.get(("naive", r["K"]))
-        r["peak_vs_K1"] = r["peak_mib"] / base_k1["peak_mib"] if base_k1 else None
-        r["transient_vs_K1"] = (r["transient_mib"] / base_k1["transient_mib"]
-                                if base_k1 else None)
-        r["time_vs_naive"] = r["ms"] / naive["ms"] if naive else None
+        base_k1 = by.get((r["method"], min(args.ks))) or {}
+        naive = by.get(("naive", r["K"])) or {}
+        r["peak_vs_K1"] = _ratio(r["peak_mib"], base_k1.get("peak_mib"))
+        r["transient_vs_K1"] = _ratio(r["transient_mib"], base_k1.get("transient_mib"))
+        r["time_vs_naive"] = _ratio(r["ms"], naive.get("ms"))
     return rows
+
+
+def _ratio(a: float, b: float | None) -> float | None:
+    """a / b, or None where b is missing or zero (a shape too small to move the memory)."""
+    return a / b if b else None
 
 
 # -- mtp bench train --------------------------------------------------------------------------

@@ -32,3 +32,14 @@ def test_bench_loss_under_fsdp_on_two_processes(tmp_path, capsys):
     rows = _rows(out)
     assert [r["status"] for r in rows] == ["ok"], rows
     assert all(r["fsdp_ranks"] == "2" and float(r["peak_mib"]) > 0 for r in rows)
+
+
+def test_bench_loss_at_a_shape_too_small_to_move_the_memory(tmp_path, capsys):
+    """A K = 1 transient of 0 MiB leaves the ratio empty instead of dividing by zero."""
+    out = tmp_path / "loss.csv"
+    assert main(["loss", "--n", "64", "--d", "32", "--vocab", "128", "--seq-len", "32",
+                 "--ks", "1", "--methods", "naive", "--reps", "1", "--warmup", "0",
+                 "--csv", str(out)]) == 0
+    (row,) = _rows(out)
+    assert row["status"] == "ok"
+    assert (row["transient_vs_K1"] == "") == (float(row["transient_mib"]) == 0)
