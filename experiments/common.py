@@ -49,7 +49,13 @@ def load_preset(study: str, name_or_path: str) -> dict:
                        for p in (REPO / "experiments" / "presets").glob(f"{study}_*.yaml"))
         raise SystemExit(f"unknown preset {name_or_path!r} for {study}; known: {known}")
     with open(path) as f:
-        preset = yaml.safe_load(f)
+        try:
+            preset = yaml.safe_load(f)
+        except yaml.YAMLError as err:
+            raise SystemExit(f"preset {path} is not valid YAML: {err}") from None
+    if not isinstance(preset, dict):
+        raise SystemExit(f"preset {path} must be a YAML mapping of settings (it holds a "
+                         f"{type(preset).__name__})")
     preset["_path"] = str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
     return preset
 

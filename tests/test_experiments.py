@@ -3,6 +3,7 @@
 import csv
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -236,3 +237,13 @@ def test_k_sweep_runs_reports_and_skips_finished_runs(tiny_corpus, tmp_path, mon
     monkeypatch.setattr(k_sweep, "train", no_training)
     assert k_sweep.main(argv) == 0
     assert len(list(csv.DictReader(open(out / "results.csv")))) == 2
+
+
+@pytest.mark.parametrize("text, why", [("- 1\n- 2\n", "must be a YAML mapping of settings (it "
+                                                     "holds a list)"),
+                                       ("a: [1\n", "is not valid YAML")])
+def test_a_malformed_preset_is_named(tmp_path, text, why):
+    path = tmp_path / "preset.yaml"
+    path.write_text(text)
+    with pytest.raises(SystemExit, match=re.escape(why)):
+        common.load_preset("k_sweep", str(path))
