@@ -16,11 +16,6 @@ DATA = Path(os.environ.get("MTP_SHARED_DATA", Path(__file__).parents[1].parent /
 HUMANEVAL_PLUS = DATA / "evalplus" / "HumanEvalPlus-OriginFmt.jsonl.gz"
 
 
-@pytest.fixture(autouse=True)
-def _offline(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-
 
 @pytest.fixture
 def scored(tmp_path):
