@@ -1,6 +1,6 @@
 """K sweep: train matched-parameter models for several K and seeds, evaluate, report.
 
-For every (K, seed) of a preset: `mtp fit` (through `mtp.command.main`, the public entry point)
+For every (K, seed) of a preset: `mtp fit` (through `mtp.cli.main`, the public entry point)
 with `--model.matched_params true`, so every K has the same number of transformer blocks and
 parameters, the same data and the same seeds; then
 
@@ -115,7 +115,7 @@ def train(preset: dict, k: int, seed: int, run_dir: Path) -> float:
     done = run_dir / "fit_done.json"
     if done.is_file():
         return json.loads(done.read_text())["seconds"]
-    from mtp.command import main as mtp_main
+    from mtp.cli import main as mtp_main
 
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = run_fit_config(preset, k, seed, run_dir)

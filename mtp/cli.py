@@ -1,235 +1,72 @@
-"""`mtp fit` and `mtp validate`: LightningCLI with mtp's config groups (`mtp.command`
-dispatches the other subcommands).
+"""The `mtp` command: one line per subcommand, each imported only when it runs, so that
+`mtp --help` answers at once (torch and Lightning take seconds to import).
 
-`mtp fit` takes five config groups, each a typed dataclass: `--model.*` (ModelConfig),
-`--data.*` (DataConfig), `--optim.*` (OptimConfig), `--loss.*` (LossConfig), `--compile.*`
-(CompileConfig), plus Lightning's own
-`--trainer.*`; YAML files from `--config`; unknown keys are errors. With no arguments it trains the
-CPU default: a K = 4 model on the Python standard library, in minutes on two cores.
+    mtp fit | validate | generate | eval | bench | export ...
 """
 
 from __future__ import annotations
 
-import dataclasses
-import os
 import sys
-from pathlib import Path
 
-import torch
-from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ThroughputMonitor
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-
-from mtp.checkpoint import eot_id
-from mtp.config import (
-    CompileConfig,
-    ConfigError,
-    DataConfig,
-    LossConfig,
-    ModelConfig,
-    OptimConfig,
-    RunConfig,
-)
-from mtp.data import MTPDataModule, build_datamodule, unigram_entropy
-from mtp.fault import AtomicCheckpointIO, Interruptible
-from mtp.module import MTPModule
-
-#: Trainer settings of the CPU default run (configs/cpu.yaml spells out the same values).
-TRAINER_DEFAULTS = {
-    "max_steps": 400,
-    "val_check_interval": 100,
-    "check_val_every_n_epoch": None,
-    "limit_val_batches": 10,
-    "log_every_n_steps": 10,
-    "gradient_clip_val": 1.0,
-    "accelerator": "auto",
-    "devices": 1,
-    "precision": "32-true",
-    "use_distributed_sampler": False,  # MTPDataModule shards its own resumable sampler
-    "num_sanity_val_steps": 0,
-    "logger": {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
-               "init_args": {"save_dir": "runs", "name": "mtp", "default_hp_metric": False}},
+COMMANDS = {
+    "fit": "train a model (LightningCLI; `mtp fit --help`)",
+    "validate": "evaluate a checkpoint's validation loss (LightningCLI)",
+    "generate": "decode from a checkpoint with any decoder",
+    "eval": "HumanEval / MBPP: generate or score completions, pass@k",
+    "bench": "benchmarks: loss | train | kernel | decode | tokenize | sandbox",
+    "export": "write a checkpoint as a transformers directory (`mtp export hf`)",
 }
 
 
-def add_run_arguments(parser: LightningArgumentParser) -> None:
-    """The `trainer`, `model`, `data`, `optim`, `loss` and `compile` groups of `mtp fit`."""
-    parser.add_lightning_class_args(Trainer, "trainer")
-    parser.set_defaults({f"trainer.{k}": v for k, v in TRAINER_DEFAULTS.items()})
-    parser.add_class_arguments(ModelConfig, "model")
-    parser.add_class_arguments(DataConfig, "data")
-    parser.add_class_arguments(OptimConfig, "optim")
-    parser.add_class_arguments(LossConfig, "loss")
-    parser.add_class_arguments(CompileConfig, "compile")
-
-
-def run_config(namespace) -> RunConfig:
-    """The validated RunConfig of a parsed (not yet instantiated) `mtp fit` namespace."""
-    return RunConfig(model=ModelConfig(**namespace.model), data=DataConfig(**namespace.data),
-                     optim=OptimConfig(**namespace.optim), loss=LossConfig(**namespace.loss),
-                     compile=CompileConfig(**namespace.compile))
-
-
-def default_callbacks(n_future: int, *, checkpoints: bool = True, logger: bool = True) -> list:
-    """Checkpoints (last and best next-token loss), learning rate, tokens per second and MFU;
-    without checkpointing (`--trainer.enable_checkpointing false`) no checkpoints, and without
-    a logger (`--trainer.logger false`) nothing that only logs.
-
-    MFU needs the device's peak FLOPs, which Lightning knows for GPUs and not for CPUs.
-    """
-    callbacks = []
-    if checkpoints:
-        callbacks.append(ModelCheckpoint(monitor="val/next_token_loss", mode="min",
-                                         save_last=True, filename="best-{step}"))
-    if logger:
-        # items are input tokens: a window holds T inputs and K extra targets
-        callbacks += [LearningRateMonitor(logging_interval="step"),
-                      ThroughputMonitor(batch_size_fn=lambda batch: batch.shape[0],
-                                        length_fn=lambda batch: batch.shape[1] - n_future,
-                                        window_size=10)]
-    return callbacks
-
-
-class MTPCLI(LightningCLI):
-    """LightningCLI whose groups are mtp's config dataclasses rather than class signatures;
-    its trainer saves checkpoints atomically and stops cleanly on SIGINT / SIGTERM
-    (`mtp.fault`)."""
-
-    def __init__(self, *args, argv: list[str], **kwargs) -> None:
-        self.interrupt = Interruptible(argv)
-        super().__init__(*args, **kwargs)
-
-    def add_core_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        add_run_arguments(parser)
-
-    def _parse_ckpt_path(self) -> None:
-        """The YAML and flags define a run; LightningCLI would read the checkpoint's
-        hyperparameters back as `--model.*` arguments, which are not ours (the checkpoint's
-        config is checked against the run's by `MTPModule.on_load_checkpoint` instead)."""
-
-    def instantiate_classes(self) -> None:
-        self.config_init = self.parser.instantiate_classes(self.config)
-        c = self.config_init[self.subcommand] if self.subcommand else self.config_init
-        model, data = c.model, c.data
-        if model.init_from is not None:  # the pretrained model's shape and tokenizer
-            from mtp.hf import ExportError, pretrained_config
-
-            try:
-                model = pretrained_config(model.init_from, model)
-            except ExportError as e:
-                raise ConfigError(str(e)) from None
-            if data.tokenizer is None:
-                data = dataclasses.replace(data, tokenizer=str(Path(model.init_from)
-                                                               / "tokenizer.json"))
-            _check_pretrained_tokenizer(Path(data.tokenizer), model)
-        run = RunConfig(model=model, data=data, optim=c.optim, loss=c.loss,
-                        compile=c.compile)  # cross-checks
-        if c.get("ckpt_path"):
-            _check_resume_checkpoint(Path(c.ckpt_path), run.model)
-        self.run_config = run
-        self.trainer_defaults = {**self.trainer_defaults, "callbacks": [*default_callbacks(
-            run.model.n_future, checkpoints=c.trainer.enable_checkpointing is not False,
-            logger=c.trainer.logger not in (False, None)), self.interrupt]}
-        if c.trainer.strategy == "fsdp":  # FSDP2 on CPU and GPU alike (mtp.parallel)
-            from mtp.parallel import FSDPStrategy
-
-            c.trainer.strategy = FSDPStrategy()
-        self.model = MTPModule(run.model, run.optim, run.loss, run.compile)
-        self.datamodule = build_datamodule(run.data, vocab_size=run.model.vocab_size,
-                                           n_future=run.model.n_future,
-                                           eot_token=run.model.eot_token)
-        self.trainer = self.instantiate_trainer()
-        self.trainer.strategy.checkpoint_io = AtomicCheckpointIO()
-
-    def after_fit(self) -> None:
-        from mtp.parallel import full_model
-
-        if self.interrupt.requested is not None:
-            return  # `fit_main` says where the run was saved
-
-        model = full_model(self.model.model)  # a collective under FSDP: on every rank
-        if self.trainer.is_global_zero:
-            report_fit(self.trainer, self.model, self.datamodule, model.to(self.model.device))
-
-
-def _check_resume_checkpoint(path: Path, model: ModelConfig) -> None:
-    """Before any data is read: `--ckpt_path` must be an mtp checkpoint of this model config
-    (read memory-mapped, so a large checkpoint costs no more than its header)."""
-    from mtp.module import check_checkpoint_config
-
-    if not path.is_file():
-        raise ConfigError(f"--ckpt_path {path} does not exist")
+def main(argv: list[str] | None = None) -> int:
+    """Dispatch `mtp <command> ...`. A user's mistake (`mtp.config.UserError`) is reported in a
+    line or two and exits 2; `--debug` anywhere on the line shows its traceback instead."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    debug = "--debug" in argv
+    if debug:
+        argv = [a for a in argv if a != "--debug"]
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as err:  # torch raises KeyError, UnpicklingError, RuntimeError ... here
-        raise ConfigError(f"--ckpt_path {path} is not a checkpoint torch can read "
-                          f"({type(err).__name__}: {err})") from None
-    if not isinstance(ckpt, dict) or "mtp" not in ckpt or "state_dict" not in ckpt:
-        raise ConfigError(f"--ckpt_path {path} is not a checkpoint of mtp fit (no 'mtp' entry)")
-    try:
-        check_checkpoint_config(ckpt, model)
-    except ValueError as err:
-        raise ConfigError(f"--ckpt_path {path}: {err}") from None
+        return _dispatch(argv)
+    except Exception as err:
+        from mtp.config import UserError
+
+        if debug or not isinstance(err, UserError):
+            raise
+        print(f"mtp {argv[0]}: error: {err}\n(--debug shows where it was raised)",
+              file=sys.stderr)
+        return 2
 
 
-def _check_pretrained_tokenizer(path: Path, model: ModelConfig) -> None:
-    """Before any data is read: the tokenizer of an `--model.init_from` run must exist, hold the
-    end-of-text token and fit the pretrained embedding."""
-    from tokenizers import Tokenizer
+def _dispatch(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: mtp <command> [args]\n\ncommands:")
+        for name, doc in COMMANDS.items():
+            print(f"  {name:<9} {doc}")
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd in ("fit", "validate"):
+        from mtp.fit_cli import fit_main
 
-    if not path.is_file():
-        raise ConfigError(f"--data.tokenizer {path} does not exist (--model.init_from "
-                          f"{model.init_from} has no tokenizer.json; pass --data.tokenizer)")
-    tok = Tokenizer.from_file(str(path))
-    if tok.token_to_id(model.eot_token) is None:
-        raise ConfigError(f"--data.tokenizer {path} has no end-of-text token "
-                          f"{model.eot_token!r} (--model.eot_token), which separates documents")
-    if tok.get_vocab_size() > model.vocab_size:
-        raise ConfigError(f"--data.tokenizer {path} has {tok.get_vocab_size()} tokens but the "
-                          f"embedding of --model.init_from {model.init_from} has "
-                          f"{model.vocab_size} rows")
+        return fit_main(argv)
+    if cmd == "generate":
+        from mtp.decode_cli import generate_main
 
+        return generate_main(rest)
+    if cmd == "eval":
+        from mtp.eval.cli import main as eval_main
 
-def report_fit(trainer, module: MTPModule, dm: MTPDataModule, model) -> None:
-    """Print per-head validation loss, a sampled code snippet, and where the results are."""
-    metrics = trainer.callback_metrics
-    K = module.model_cfg.n_future
-    print("\nvalidation loss per head (nats; head i predicts the token i ahead):")
-    for i in range(1, K + 1):
-        loss, acc = metrics.get(f"val/loss_head{i}"), metrics.get(f"val/acc_head{i}")
-        if loss is not None:
-            print(f"  head {i}: loss {float(loss):.3f}  top-1 accuracy {float(acc):.3f}")
-    entropy = unigram_entropy(dm.val_tokens, dm.tokenizer.get_vocab_size())
-    print(f"  unigram entropy of the validation tokens: {entropy:.3f} nats")
-    from mtp.decoding import generate
+        return eval_main(rest)
+    if cmd == "bench":
+        from mtp.bench import main as bench_main
 
-    prompt = "def fibonacci(n):\n"
-    model.eval()
-    # sampled, not greedy: greedy decoding of a model this small loops on one line
-    new, _ = generate(model, [dm.tokenizer.encode(prompt).ids], 64, decoder="sample",
-                      temperature=0.7, top_p=0.95, eot_id=eot_id(dm.tokenizer, model.cfg),
-                      generator=torch.Generator(module.device).manual_seed(0))
-    print(f"\nsample (temperature 0.7, top-p 0.95):\n{prompt}{dm.tokenizer.decode(new[0])}\n")
-    ckpt = trainer.checkpoint_callback
-    if ckpt is not None:
-        print(f"checkpoints: {ckpt.last_model_path} (last), {ckpt.best_model_path} (best)")
-    if trainer.logger is not None:
-        print(f"TensorBoard: tensorboard --logdir {Path(trainer.logger.log_dir).parent}")
+        return bench_main(rest)
+    if cmd == "export":
+        from mtp.hf import export_main
+
+        return export_main(rest)
+    print(f"mtp: unknown command {cmd!r}; choose from {', '.join(COMMANDS)}", file=sys.stderr)
+    return 2
 
 
-def fit_main(argv: list[str]) -> int:
-    """`mtp fit|validate ...`: LightningCLI with mtp's config groups."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
-    cli = MTPCLI(
-        argv=argv,
-        model_class=MTPModule,
-        datamodule_class=MTPDataModule,
-        args=None if argv == sys.argv[1:] else argv,
-        seed_everything_default=1234,
-        trainer_defaults=TRAINER_DEFAULTS,
-        auto_configure_optimizers=False,
-        save_config_kwargs={"overwrite": True},
-        parser_kwargs={"description": __doc__, "allow_abbrev": False},
-    )
-    status = cli.interrupt.report() if cli.trainer.is_global_zero else None
-    return status or 0
+if __name__ == "__main__":
+    sys.exit(main())

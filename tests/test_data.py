@@ -397,7 +397,7 @@ def test_bad_mixtures_name_the_entry(tiny_corpus, tmp_path):
 def test_mixture_flag_parses_from_the_command_line_and_yaml(tmp_path):
     from lightning.pytorch.cli import LightningArgumentParser
 
-    from mtp.cli import add_run_arguments, run_config
+    from mtp.fit_cli import add_run_arguments, run_config
 
     parser = LightningArgumentParser(allow_abbrev=False)
     add_run_arguments(parser)

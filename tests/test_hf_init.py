@@ -248,7 +248,7 @@ def test_fit_refuses_a_pretrained_tokenizer_that_does_not_fit(tmp_path, tokenize
                                                               problem, why):
     from tokenizers import Tokenizer, models
 
-    from mtp.command import main
+    from mtp.cli import main
 
     path = _pretrained(tmp_path, tokenizer)
     tok_file = path / "tokenizer.json"

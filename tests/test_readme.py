@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mtp.command import main
+from mtp.cli import main
 from mtp.config import (
     CompileConfig,
     DataConfig,

@@ -13,10 +13,10 @@ from lightning.pytorch.cli import LightningArgumentParser
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from mtp.checkpoint import load_checkpoint
-from mtp.cli import add_run_arguments, run_config
-from mtp.command import main
+from mtp.cli import main
 from mtp.config import DataConfig, LossConfig, ModelConfig, OptimConfig
 from mtp.data import MTPDataModule
+from mtp.fit_cli import add_run_arguments, run_config
 from mtp.module import MTPModule, lr_factor
 
 REPO = Path(__file__).resolve().parents[1]
@@ -301,7 +301,7 @@ def test_train_accuracy_is_computed_on_the_steps_that_are_logged(tiny_corpus, tm
 
 def test_mtp_help_imports_nothing_heavy():
     """`mtp --help` answers without importing torch or Lightning (seconds each)."""
-    code = ("import sys; from mtp.command import main; assert main(['--help']) == 0; "
+    code = ("import sys; from mtp.cli import main; assert main(['--help']) == 0; "
             "heavy = {'torch', 'lightning', 'numpy'} & set(sys.modules); assert not heavy, heavy")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
