@@ -5,7 +5,8 @@ command that resumes from it.
 - `AtomicCheckpointIO` writes each checkpoint to a temporary file beside its final name, fsyncs
   it and renames it into place: a full disk or a kill mid-write leaves the previous checkpoint
   and no truncated file under the final name (the temporary file is removed).
-- `Interruptible` turns the first SIGINT (Ctrl-C) or SIGTERM into a request that the step in
+- `Interruptible` writes ``last.ckpt`` at the final step of a run that ends between validations,
+  and turns the first SIGINT (Ctrl-C) or SIGTERM into a request that the step in
   flight honours when it ends (a signal raised mid-step could leave the weights half updated);
   it then saves ``interrupted-step=N.ckpt`` and stops the trainer. A second Ctrl-C interrupts at
   once, as Lightning does.
@@ -100,6 +101,15 @@ class Interruptible(L.Callback):
         self.checkpoint = folder / f"interrupted-step={trainer.global_step}.ckpt"
         trainer.save_checkpoint(self.checkpoint)
         trainer.should_stop = True
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        """A run that ends between validations keeps its last steps: ``last.ckpt`` is written
+        at the final step too (Lightning writes it only after a validation)."""
+        callback = trainer.checkpoint_callback
+        if self.requested is None and callback is not None and callback.dirpath \
+                and getattr(callback, "save_last", False):
+            trainer.save_checkpoint(Path(callback.dirpath) / f"{callback.CHECKPOINT_NAME_LAST}"
+                                    f"{callback.FILE_EXTENSION}")
 
     def teardown(self, trainer, pl_module, stage) -> None:
         for sig, handler in self._previous.items():

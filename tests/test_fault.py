@@ -79,3 +79,13 @@ def test_resume_command_replaces_the_checkpoint():
         "mtp fit --x 1 --ckpt_path new.ckpt"
     assert resume_command(["fit", "--ckpt_path=old.ckpt"], "a b.ckpt") == \
         "mtp fit --ckpt_path 'a b.ckpt'"
+
+
+def test_a_run_ending_between_validations_keeps_its_last_steps(tiny_corpus, tmp_path,
+                                                               monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["fit", "--config", str(REPO / "configs" / "debug.yaml"), "--data.source",
+                 str(tiny_corpus), "--trainer.max_steps", "13",
+                 "--trainer.enable_progress_bar", "false"]) == 0  # validation every 10 steps
+    last = tmp_path / "runs" / "mtp" / "version_0" / "checkpoints" / "last.ckpt"
+    assert torch.load(last, weights_only=True)["global_step"] == 13
