@@ -95,6 +95,8 @@ class Interruptible(L.Callback):
         stop = trainer.strategy.reduce_boolean_decision(self.requested is not None, all=False)
         if not stop or self.checkpoint is not None:
             return
+        if self.requested is None:  # the signal reached another rank: every rank stops alike
+            self.requested = signal.SIGTERM
         callback = trainer.checkpoint_callback
         folder = Path(callback.dirpath) if callback is not None and callback.dirpath else \
             Path(trainer.default_root_dir) / "checkpoints"
