@@ -231,7 +231,7 @@ def report(out: Path, preset: dict, command: str) -> str:
               "", f"Runs: {len(rows)}; training wall time "
               f"{sum(to_float(r['train_s']) for r in rows) / 60:.1f} min in total (one CPU "
               "thread, on a machine shared with other jobs).",
-              "", f"Environment: {environment()}", ""]
+              "", f"Environment: {environment(out)}", ""]
     text = "\n".join(lines)
     (out / "README.md").write_text(text)
     return text

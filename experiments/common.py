@@ -219,14 +219,19 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> s
     return "\n".join(lines)
 
 
-def environment() -> str:
-    """Machine, versions and git revision, for a report's provenance line."""
+def environment(outputs: Path | None = None) -> str:
+    """Machine, versions and git revision, for a report's provenance line. The study's own
+    output directory `outputs` (its CSV, plots and this page) does not count as an uncommitted
+    change: what must be committed is the code that made them."""
     import torch
 
+    spec = ["--", "."]
+    if outputs is not None and Path(outputs).resolve().is_relative_to(REPO):
+        spec.append(f":(exclude){Path(outputs).resolve().relative_to(REPO)}")
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True,
                              capture_output=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, text=True,
+        dirty = subprocess.run(["git", "status", "--porcelain", *spec], cwd=REPO, text=True,
                                capture_output=True, check=True).stdout.strip()
         rev += " (uncommitted changes)" if dirty else ""
     except (OSError, subprocess.CalledProcessError):

@@ -191,7 +191,7 @@ def report(out: Path, preset: dict, command: str) -> str:
               f"{sum(to_float(r['train_s']) for r in rows) / 60:.1f} min in total (one CPU "
               "thread; includes any time the process was paused by other jobs on the shared "
               "machine).",
-              "", f"Environment: {environment()}", ""]
+              "", f"Environment: {environment(out)}", ""]
     text = "\n".join(lines)
     (out / "README.md").write_text(text)
     return text

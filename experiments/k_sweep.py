@@ -347,7 +347,7 @@ def report(out: Path, preset: dict, command: str, note: str = "") -> str:
         "machine paused the process, and a resumed run counts only its last attempt). "
         "Losses, accuracies and L do not depend on machine load; timings do.",
         "",
-        f"Environment: {environment()}",
+        f"Environment: {environment(out)}",
         "",
     ]
     text = "\n".join(lines)

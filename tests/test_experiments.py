@@ -247,3 +247,24 @@ def test_a_malformed_preset_is_named(tmp_path, text, why):
     path.write_text(text)
     with pytest.raises(SystemExit, match=re.escape(why)):
         common.load_preset("k_sweep", str(path))
+
+
+def test_environment_names_uncommitted_code_but_not_the_studys_own_outputs(tmp_path,
+                                                                        monkeypatch):
+    """The provenance line says "uncommitted changes" for a changed source file, not for the
+    study's output directory, which every run writes."""
+    import subprocess
+
+    repo = tmp_path / "repo"
+    (repo / "out").mkdir(parents=True)
+    (repo / "code.py").write_text("x = 1\n")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], cwd=repo, check=True)
+    subprocess.run([*git, "add", "."], cwd=repo, check=True)
+    subprocess.run([*git, "commit", "-qm", "c"], cwd=repo, check=True)
+    monkeypatch.setattr(common, "REPO", repo)
+    (repo / "out" / "results.csv").write_text("a\n")
+    assert "uncommitted" not in common.environment(repo / "out")
+    assert "uncommitted" in common.environment()
+    (repo / "code.py").write_text("x = 2\n")
+    assert "uncommitted" in common.environment(repo / "out")
