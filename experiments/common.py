@@ -220,12 +220,13 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> s
 
 
 def environment(outputs: Path | None = None) -> str:
-    """Machine, versions and git revision, for a report's provenance line. The study's own
-    output directory `outputs` (its CSV, plots and this page) does not count as an uncommitted
-    change: what must be committed is the code that made them."""
+    """Machine, versions and git revision, for a report's provenance line. Study outputs (the
+    directory `outputs`, and every report under experiments/reports, which studies running side
+    by side write) do not count as uncommitted changes: what must be committed is the code
+    that made them."""
     import torch
 
-    spec = ["--", "."]
+    spec = ["--", ".", ":(exclude)experiments/reports"]
     if outputs is not None and Path(outputs).resolve().is_relative_to(REPO):
         spec.append(f":(exclude){Path(outputs).resolve().relative_to(REPO)}")
     try:

@@ -264,6 +264,8 @@ def test_environment_names_uncommitted_code_but_not_the_studys_own_outputs(tmp_p
     subprocess.run([*git, "commit", "-qm", "c"], cwd=repo, check=True)
     monkeypatch.setattr(common, "REPO", repo)
     (repo / "out" / "results.csv").write_text("a\n")
+    (repo / "experiments" / "reports" / "other").mkdir(parents=True)  # a study beside it
+    (repo / "experiments" / "reports" / "other" / "results.csv").write_text("b\n")
     assert "uncommitted" not in common.environment(repo / "out")
     assert "uncommitted" in common.environment()
     (repo / "code.py").write_text("x = 2\n")
