@@ -39,6 +39,28 @@ def save_checkpoint(path: str | os.PathLike, model: MTPTransformer, tokenizer: T
     os.replace(tmp, path)
 
 
+def read_checkpoint(path: str | os.PathLike, *, mmap: bool = False) -> dict:
+    """The raw dict of an mtp checkpoint file, on the CPU (`mmap`: memory-mapped, so reading
+    only its config costs no more than the header).
+
+    Raises:
+        MissingInput: If the file does not exist.
+        InputError: If torch cannot read it, or it is not a checkpoint of `mtp fit`.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise MissingInput(f"checkpoint {path} does not exist")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except Exception as err:  # torch raises KeyError, UnpicklingError, RuntimeError ... here
+        raise InputError(f"{path} is not a checkpoint torch can read ({type(err).__name__}: "
+                         f"{err})") from err
+    if not isinstance(ckpt, dict) or "mtp" not in ckpt or "state_dict" not in ckpt:
+        raise InputError(f"{path} is not an mtp checkpoint (no 'mtp' entry with config and "
+                         "tokenizer)")
+    return ckpt
+
+
 def load_checkpoint(
     path: str | os.PathLike, *, device: str | torch.device = "cpu"
 ) -> tuple[MTPTransformer, Tokenizer]:
@@ -50,16 +72,7 @@ def load_checkpoint(
 
         model, tokenizer = load_export(path)
         return model.to(device), tokenizer
-    if not path.is_file():
-        raise MissingInput(f"checkpoint {path} does not exist")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # torch raises KeyError, UnpicklingError, RuntimeError ... here
-        raise InputError(f"{path} is not a checkpoint torch can read ({type(err).__name__}: "
-                         f"{err})") from err
-    if not isinstance(ckpt, dict) or "mtp" not in ckpt:
-        raise InputError(f"{path} is not an mtp checkpoint (no 'mtp' entry with config and "
-                         "tokenizer)")
+    ckpt = read_checkpoint(path)
     cfg = ModelConfig(**ckpt["mtp"]["model_config"])
     tokenizer = Tokenizer.from_str(ckpt["mtp"]["tokenizer"])
     model = MTPTransformer(cfg)

@@ -153,23 +153,14 @@ class MTPCLI(LightningCLI):
 
 
 def _check_resume_checkpoint(path: Path, model: ModelConfig) -> None:
-    """Before any data is read: `--ckpt_path` must be an mtp checkpoint of this model config
-    (read memory-mapped, so a large checkpoint costs no more than its header)."""
+    """Before any data is read: `--ckpt_path` must be an mtp checkpoint of this model config."""
+    from mtp.checkpoint import read_checkpoint
     from mtp.module import check_checkpoint_config
 
-    if not path.is_file():
-        raise ConfigError(f"--ckpt_path {path} does not exist")
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as err:  # torch raises KeyError, UnpicklingError, RuntimeError ... here
-        raise ConfigError(f"--ckpt_path {path} is not a checkpoint torch can read "
-                          f"({type(err).__name__}: {err})") from None
-    if not isinstance(ckpt, dict) or "mtp" not in ckpt or "state_dict" not in ckpt:
-        raise ConfigError(f"--ckpt_path {path} is not a checkpoint of mtp fit (no 'mtp' entry)")
-    try:
-        check_checkpoint_config(ckpt, model)
-    except ValueError as err:
-        raise ConfigError(f"--ckpt_path {path}: {err}") from None
+        check_checkpoint_config(read_checkpoint(path, mmap=True), model)
+    except (ValueError, FileNotFoundError) as err:  # InputError, MissingInput, ConfigError
+        raise ConfigError(f"--ckpt_path: {err}") from None
 
 
 def _check_pretrained_tokenizer(path: Path, model: ModelConfig) -> None:

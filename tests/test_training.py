@@ -180,7 +180,7 @@ def test_invalid_values_name_every_flag(capsys):
         capsys.readouterr().err
     code = main(["fit", "--ckpt_path", "/nonexistent/last.ckpt",
                  "--data.cache_dir", "/nonexistent/cache"])  # checked before any data is read
-    assert code == 2 and "--ckpt_path /nonexistent/last.ckpt does not exist" in \
+    assert code == 2 and "--ckpt_path: checkpoint /nonexistent/last.ckpt does not exist" in \
         capsys.readouterr().err
 
 
