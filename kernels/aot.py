@@ -3,10 +3,11 @@
     python -m mtp.kernels.aot                    # bf16, sm_80 and sm_90, every specialisation
     python -m mtp.kernels.aot --targets 90 --specialization aligned
 
-Each ``@triton.jit`` kernel of :mod:`mtp.kernels.linear_cross_entropy` is compiled with
+Each ``@triton.jit`` kernel of :mod:`mtp.kernels.triton_kernels` is compiled with
 ``triton.compile`` at the tiles and launch options its launcher uses on CUDA
-(``_default_config``), for an explicit ``GPUTarget``; Triton's bundled ``ptxas -v`` is then run
-on the PTX (the same binary and flags Triton uses to build the cubin) for registers and spills.
+(``_default_config`` of :mod:`mtp.kernels.launch`), for an explicit ``GPUTarget``; Triton's
+bundled ``ptxas -v`` is then run on the PTX (the same binary and flags Triton uses to build the
+cubin) for registers and spills.
 The printed table has, per kernel and target: registers per thread, spill stores and loads, the
 shared memory a block needs, whether it fits the SM, and the tensor-core instruction found in
 the PTX (``mma.sync`` on sm_80, ``wgmma`` on sm_90).
@@ -21,7 +22,6 @@ V = 50257) and ``ragged`` (d not either).
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import re
@@ -31,6 +31,9 @@ import tempfile
 from types import ModuleType
 
 import torch
+
+from . import triton_kernels
+from .launch import _default_config, _triton_dtypes, _triton_is_interpreted
 
 #: Largest shared memory one block may use (opt-in dynamic shared memory), in bytes.
 SMEM_LIMIT_BYTES = {80: 166912, 90: 232448}  # sm_80: 163 KiB, sm_90: 227 KiB
@@ -91,10 +94,10 @@ def unavailable_reason() -> str | None:
 
 
 def _kernels_module() -> ModuleType:
-    """`mtp.kernels.linear_cross_entropy`, whose kernels must be compilable JITFunctions."""
+    """`mtp.kernels.triton_kernels`, whose kernels must be compilable JITFunctions."""
     from triton.runtime.jit import JITFunction
 
-    module = importlib.import_module("mtp.kernels.linear_cross_entropy")
+    module = triton_kernels
     if not isinstance(module._linear_cross_entropy_fwd_kernel, JITFunction):
         raise RuntimeError("the kernels were built by Triton's interpreter (TRITON_INTERPRET=1), "
                            "which cannot compile them; use report(), which then compiles in a "
@@ -107,8 +110,7 @@ def _interpreted() -> bool:
     the interpreter also replaces triton.language's own jit functions, e.g. tl.cdiv)."""
     from triton import knobs
 
-    return knobs.runtime.interpret or importlib.import_module(
-        "mtp.kernels.linear_cross_entropy")._triton_is_interpreted()
+    return knobs.runtime.interpret or _triton_is_interpreted()
 
 
 def compile_kernel(name: str, capability: int, dtype: torch.dtype = torch.bfloat16,
@@ -129,8 +131,8 @@ def compile_kernel(name: str, capability: int, dtype: torch.dtype = torch.bfloat
                          f"{specialization!r})")
     module = _kernels_module()
     kernel = getattr(module, name)
-    cfg = module._default_config(dtype, torch.device("cuda"))
-    acc, precision = module._triton_dtypes(dtype)
+    cfg = _default_config(dtype, torch.device("cuda"))
+    acc, precision = _triton_dtypes(dtype)
     constexprs = {"BLOCK_N": cfg.block_n, "BLOCK_V": cfg.block_v, "BLOCK_D": cfg.block_d,
                   "GROUP": cfg.group, "ACC_DTYPE": acc, "INPUT_PRECISION": precision}
     declared = {p.name for p in kernel.params if p.is_constexpr}
