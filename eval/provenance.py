@@ -16,7 +16,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import subprocess
 import time
 from pathlib import Path
 
@@ -56,20 +55,13 @@ def tasks_digest(benchmark: Benchmark) -> str:
 
 def code_revision() -> str:
     """The git revision of the code (``-dirty`` with uncommitted changes), or its version."""
-    root = Path(__file__).resolve().parents[1]
-    try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
-                             text=True, timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=root, capture_output=True, text=True, timeout=10).stdout
-        return rev + ("-dirty" if dirty.strip() else "")
-    except (OSError, subprocess.SubprocessError):
-        from importlib.metadata import PackageNotFoundError, version
+    from mtp.environment import git_state, versions
 
-        try:
-            return "mtp " + version("mtp")
-        except PackageNotFoundError:
-            return "unknown"
+    rev, dirty = git_state(short=False)
+    if rev != "unknown":
+        return rev + ("-dirty" if dirty else "")
+    found = versions("mtp")
+    return f"mtp {found['mtp']}" if "mtp" in found else "unknown"
 
 
 def check_or_record(output_dir: str | os.PathLike, produced: dict, *, fresh: bool = False

@@ -12,7 +12,6 @@ import csv
 import math
 import os
 import platform
-import subprocess
 import sys
 import time
 from collections.abc import Iterable, Sequence
@@ -226,20 +225,17 @@ def environment(outputs: Path | None = None) -> str:
     that made them."""
     import torch
 
-    spec = ["--", ".", ":(exclude)experiments/reports"]
+    from mtp.environment import git_state, versions
+
+    exclude = ["experiments/reports"]
     if outputs is not None and Path(outputs).resolve().is_relative_to(REPO):
-        spec.append(f":(exclude){Path(outputs).resolve().relative_to(REPO)}")
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True,
-                             capture_output=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", *spec], cwd=REPO, text=True,
-                               capture_output=True, check=True).stdout.strip()
-        rev += " (uncommitted changes)" if dirty else ""
-    except (OSError, subprocess.CalledProcessError):
-        rev = "unknown"
-    return (f"python {platform.python_version()}, torch {torch.__version__}, "
+        exclude.append(str(Path(outputs).resolve().relative_to(REPO)))
+    rev, dirty = git_state(REPO, exclude=exclude, untracked=True)
+    found = versions("torch")
+    return (f"python {found['python']}, torch {found.get('torch', torch.__version__)}, "
             f"{platform.machine()} {platform.processor() or ''} "
-            f"(torch threads: {torch.get_num_threads()}), git {rev}, "
+            f"(torch threads: {torch.get_num_threads()}), git {rev}"
+            f"{' (uncommitted changes)' if dirty else ''}, "
             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
 
 

@@ -276,7 +276,7 @@ def induction_accuracy(model: MTPTransformer, task: InductionTask, *, n_seqs: in
         device = next(model.parameters()).device
         x = torch.from_numpy(np.stack([s[0] for s in seqs])).to(device)
         copy = torch.from_numpy(np.stack([s[1] for s in seqs])).to(device)
-        pred = model(x[:, :-1], n_heads=1)[0].argmax(-1)  # (B, T - 1): prediction of t + 1
+        pred = model(x[:, :-1], heads=1)[0].argmax(-1)  # (B, T - 1): prediction of t + 1
         mask = copy[:, 1:]
         hits += int((pred == x[:, 1:])[mask].sum())
         total += int(mask.sum())
@@ -321,7 +321,7 @@ def arithmetic_accuracy(model: MTPTransformer, task: PolynomialTask, n_ops: int,
         x = torch.full((len(exs), width), task.SEP, dtype=torch.long)
         for r, (e, _) in enumerate(exs):
             x[r, : len(e)] = torch.tensor(e)
-        pred = model(x.to(next(model.parameters()).device), n_heads=1)[0].argmax(-1).cpu()
+        pred = model(x.to(next(model.parameters()).device), heads=1)[0].argmax(-1).cpu()
         # pred (B, W): the prediction of the next token at every position
         for r, (e, start) in enumerate(exs):
             ok = pred[r, start - 1 : start - 1 + task.m] == x[r, start : start + task.m]

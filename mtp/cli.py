@@ -45,6 +45,13 @@ def _dispatch(argv: list[str]) -> int:
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
     if cmd in ("fit", "validate"):
+        if rest in (["--help"], ["-h"]):
+            from mtp.fit_help import stored_help
+
+            text = stored_help(cmd)
+            if text is not None:
+                print(text, end="")
+                return 0
         from mtp.fit_cli import fit_main
 
         return fit_main(argv)
@@ -61,11 +68,37 @@ def _dispatch(argv: list[str]) -> int:
 
         return bench_main(rest)
     if cmd == "export":
-        from mtp.hf import export_main
-
-        return export_main(rest)
+        return _export(rest)
     print(f"mtp: unknown command {cmd!r}; choose from {', '.join(COMMANDS)}", file=sys.stderr)
     return 2
+
+
+def _export(argv: list[str]) -> int:
+    """`mtp export hf --ckpt CKPT --output DIR` (`mtp.hf`)."""
+    import argparse
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(prog="mtp export", description="Write a checkpoint in "
+                                     "another library's layout (see `mtp.hf`).")
+    sub = parser.add_subparsers(dest="format", required=True)
+    p = sub.add_parser("hf", help="a transformers LlamaForCausalLM directory (head 1), with the "
+                                  "other heads beside it")
+    p.add_argument("--ckpt", required=True, help="mtp checkpoint (or exported directory)")
+    p.add_argument("--output", required=True, type=Path, help="new directory to write")
+    args = parser.parse_args(argv)
+    from mtp.checkpoint import load_checkpoint
+    from mtp.hf import MTP_HEADS, ExportError, export
+
+    try:
+        model, tokenizer = load_checkpoint(args.ckpt)
+        out = export(model, tokenizer, args.output)
+    except (ExportError, FileNotFoundError, ValueError) as e:
+        print(f"mtp export: error: {e}", file=sys.stderr)
+        return 2
+    n = model.cfg.n_future
+    print(f"wrote {out}: LlamaForCausalLM of {model.cfg.n_trunk_layers + 1} layers (head 1)"
+          + (f", heads 2..{n} in {MTP_HEADS}" if n > 1 else ""))
+    return 0
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ Validation collects every problem of a config before raising, and each message n
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -103,6 +104,10 @@ class ModelConfig:
                 f"--model.n_kv_heads ({self.n_kv_heads}) must be >= 1 and divide "
                 f"--model.n_heads ({self.n_heads})"
             )
+        head_types = typing.get_args(typing.get_type_hints(ModelConfig)["head_type"])
+        if self.head_type not in head_types:
+            p.append(f"--model.head_type must be one of {', '.join(head_types)} (got "
+                     f"{self.head_type!r})")
         if self.matched_params:
             if self.head_type != "block":
                 p.append("--model.matched_params needs --model.head_type block")
@@ -147,6 +152,9 @@ class ModelConfig:
 #: Named sizes. `debug` runs a step on CPU in milliseconds (tests, README); `cpu` is the default
 #: that trains on two CPU cores in minutes; the rest are GPU sizes (parameter counts at V = 32000,
 #: K = 4, matched to the K = 1 model of the same name).
+#: The decoders of `mtp.decoding.generate` (`mtp generate --decoder`).
+DECODERS = ("greedy", "sample", "self-spec", "tree", "draft")
+
 MODEL_REGISTRY: dict[str, ModelConfig] = {
     "debug": ModelConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=2, n_future=2,
                          max_seq_len=64),

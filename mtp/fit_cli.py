@@ -220,7 +220,7 @@ def fit_main(argv: list[str]) -> int:
         trainer_defaults=TRAINER_DEFAULTS,
         auto_configure_optimizers=False,
         save_config_kwargs={"overwrite": True},
-        parser_kwargs={"description": __doc__, "allow_abbrev": False},
+        parser_kwargs={"prog": "mtp", "description": __doc__, "allow_abbrev": False},
     )
     status = cli.interrupt.report() if cli.trainer.is_global_zero else None
     return status or 0

@@ -19,12 +19,10 @@ reader this layout is for. A model the Llama layout cannot hold exactly is refus
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
@@ -399,27 +397,3 @@ def init_from_pretrained(model: MTPTransformer) -> None:
 
 def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2) + "\n")
-
-
-def export_main(argv: list[str]) -> int:
-    """`mtp export hf --ckpt CKPT --output DIR`."""
-    parser = argparse.ArgumentParser(prog="mtp export", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="format", required=True)
-    p = sub.add_parser("hf", help="a transformers LlamaForCausalLM directory (head 1), with the "
-                                  "other heads beside it")
-    p.add_argument("--ckpt", required=True, help="mtp checkpoint (or exported directory)")
-    p.add_argument("--output", required=True, type=Path, help="new directory to write")
-    args = parser.parse_args(argv)
-    from mtp.checkpoint import load_checkpoint
-
-    try:
-        model, tokenizer = load_checkpoint(args.ckpt)
-        out = export(model, tokenizer, args.output)
-    except (ExportError, FileNotFoundError, ValueError) as e:
-        print(f"mtp export: error: {e}", file=sys.stderr)
-        return 2
-    n = model.cfg.n_future
-    print(f"wrote {out}: LlamaForCausalLM of {model.cfg.n_trunk_layers + 1} layers (head 1)"
-          + (f", heads 2..{n} in {MTP_HEADS}" if n > 1 else ""))
-    return 0

@@ -203,23 +203,6 @@ def _gathered_head(head: torch.nn.Module):
         head.reshard()
 
 
-def fwd_bwd_from_loss(loss_fn: Callable[..., torch.Tensor]) -> Callable:
-    """Adapt a differentiable `loss_fn(hidden, weight, targets, ignore_index=...)` (an unfused
-    cross-entropy, or another library's fused one) to the interface of
-    `mtp.kernels.linear_cross_entropy_fwd_bwd`, through autograd; benchmarks compare with it."""
-
-    def fwd_bwd(hidden, weight, targets, dweight_acc, *, scale=1.0, ignore_index=IGNORE_INDEX):
-        with torch.enable_grad():
-            hidden = hidden.detach().requires_grad_()
-            weight = weight.detach().requires_grad_()
-            loss = loss_fn(hidden, weight, targets, ignore_index=ignore_index)
-            dh, dw = torch.autograd.grad(loss * scale, [hidden, weight])
-        dweight_acc.add_(dw)
-        return loss.detach().float(), dh
-
-    return fwd_bwd
-
-
 def sequential_mtp_loss(
     model: MTPTransformer,
     inputs: torch.Tensor,
@@ -259,7 +242,7 @@ def sequential_heads_loss(
     dL/dW are kept, whatever K is.
 
     `fwd_bwd` is the loss-and-gradients function (`mtp.kernels.linear_cross_entropy_fwd_bwd`);
-    benchmarks swap in `fwd_bwd_from_loss(unfused_ce)` to separate what the sequential order
+    `mtp bench loss` swaps in an unfused cross-entropy to separate what the sequential order
     saves from what the fused kernel saves.
     """
     params = [*model.heads.parameters(), model.norm.weight, model.unembed.weight]

@@ -333,28 +333,28 @@ class MTPTransformer(nn.Module):
         self,
         idx: torch.Tensor,
         *,
-        n_heads: int | None = None,
+        heads: int | None = None,
         positions: torch.Tensor | None = None,
         cache: KVCache | None = None,
         slots: torch.Tensor | None = None,
         mask: torch.Tensor | None = None,
         heads_fn: Callable[[torch.Tensor, tuple[torch.Tensor, torch.Tensor]], T_out] | None = None,
     ) -> torch.Tensor | T_out:
-        """Logits of the first `n_heads` heads (default all K): (K, B, T, V).
+        """Logits of the first `heads` heads (default all K): (K, B, T, V).
 
         With `heads_fn`, return `heads_fn(h, rope)` of the trunk output h (B, T, d) instead: the
         memory-efficient loss runs the heads itself, and doing so inside this call lets wrappers
         that hook the forward (FSDP, DDP) see one forward of the whole model.
         """
-        n_heads = self.cfg.n_future if n_heads is None else n_heads
-        if not 1 <= n_heads <= self.cfg.n_future:
-            raise ValueError(f"n_heads must be in [1, {self.cfg.n_future}] (got {n_heads})")
+        heads = self.cfg.n_future if heads is None else heads
+        if not 1 <= heads <= self.cfg.n_future:
+            raise ValueError(f"heads must be in [1, {self.cfg.n_future}] (got {heads})")
         h, rope = self.trunk(idx, positions=positions, cache=cache, slots=slots, mask=mask)
         if heads_fn is not None:
             return heads_fn(h, rope)
         return torch.stack([
             self.unembed(self.head_hidden(i, h, rope, cache=cache, slots=slots, mask=mask))
-            for i in range(n_heads)
+            for i in range(heads)
         ])  # (K, B, T, V)
 
     def num_params(self, *, embedding: bool = True) -> int:

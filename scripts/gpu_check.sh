@@ -51,23 +51,23 @@ EOF
 cat "$OUT/versions.txt"
 
 log "1/6 GPU kernel tests (bf16, fp32)"
-timeout 150 "$PYTHON" -m pytest tests/test_linear_cross_entropy.py -m gpu -q -rA \
+timeout 150 "$PYTHON" -m pytest tests/test_linear_cross_entropy_*.py -m gpu -q -rA \
     -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.txt"
 tests_rc=${PIPESTATUS[0]}
 log "tests exit status $tests_rc"
 
 log "2/6 kernel benchmark, bf16"
-timeout 120 "$PYTHON" -m mtp.bench_kernels --dtype bf16 --warmup 2 --reps 5 \
+timeout 120 "$PYTHON" -m mtp.bench kernel --dtype bf16 --warmup 2 --reps 5 \
     --csv "$OUT/kernel_bench_bf16.csv" 2>&1 | tee "$OUT/kernel_bench_bf16.txt"
 log "bf16 benchmark exit status ${PIPESTATUS[0]}"
 
 log "3/6 kernel benchmark, fp32 (smaller shape)"
-timeout 40 "$PYTHON" -m mtp.bench_kernels --dtype fp32 --shapes 8192,2048,32000 --warmup 1 \
+timeout 40 "$PYTHON" -m mtp.bench kernel --dtype fp32 --shapes 8192,2048,32000 --warmup 1 \
     --reps 3 --csv "$OUT/kernel_bench_fp32.csv" 2>&1 | tee "$OUT/kernel_bench_fp32.txt"
 log "fp32 benchmark exit status ${PIPESTATUS[0]}"
 
 log "4/6 tile sweep, bf16 (smaller shape)"
-timeout 40 "$PYTHON" -m mtp.bench_kernels --sweep --dtype bf16 --shapes 8192,2048,32000 \
+timeout 40 "$PYTHON" -m mtp.bench kernel --sweep --dtype bf16 --shapes 8192,2048,32000 \
     --csv "$OUT/kernel_sweep_bf16.csv" 2>&1 | tee "$OUT/kernel_sweep_bf16.txt"
 log "sweep exit status ${PIPESTATUS[0]}"
 

@@ -414,22 +414,6 @@ def test_mixture_flag_parses_from_the_command_line_and_yaml(tmp_path):
     assert run_config(yaml_ns).data.sources == [{"source": "a", "weight": 0.5}]
 
 
-def test_bench_tokenize_small_corpus(tmp_path, capsys):
-    import csv
-
-    from mtp.bench_tokenize import main as bench_main
-
-    out = tmp_path / "tokenize.csv"
-    assert bench_main(["--size-mb", "1", "--dir", str(tmp_path), "--workers", "1,2",
-                       "--vocab", "300", "--tokenizer-train-mb", "0.2", "--csv", str(out)]) == 0
-    assert "bytes_per_s" in capsys.readouterr().out
-    rows = list(csv.DictReader(out.open()))
-    assert [r["workers"] for r in rows] == ["1", "2"]
-    assert all(r["identical"] == "1" and int(r["tokens"]) > 0 for r in rows)
-    assert abs(int(rows[0]["bytes"]) - 2**20) < 100
-    assert not list(tmp_path.glob("shards-*")), "shards are removed after each run"
-
-
 def test_hub_sources_stream_rows_and_name_the_source_on_errors(tmp_path, monkeypatch):
     import datasets
 

@@ -111,9 +111,9 @@ def test_speculative_greedy_equals_greedy_random_model(decoder: str) -> None:
     ("decoder", "kwargs"),
     [
         ("self-spec", {}),
-        ("self-spec", {"n_heads": 2}),
+        ("self-spec", {"heads": 2}),
         ("tree", {}),
-        ("tree", {"n_heads": 3, "tree": Tree.from_widths([4, 3])}),
+        ("tree", {"heads": 3, "tree": Tree.from_widths([4, 3])}),
         ("tree", {"tree": Tree.from_paths([(0,), (1,), (0, 0), (1, 0), (0, 0, 0), (1, 0, 0)])}),
     ],
 )
@@ -178,13 +178,13 @@ def test_acceptance_lengths_match_a_reference(cyclic_model, early_model) -> None
         def drafter(_, seq, i):  # the draft model continues its own guesses
             guess = list(seq)
             for _ in range(i):
-                guess.append(int(model(torch.tensor([guess]), n_heads=1)[0, 0, -1].argmax()))
+                guess.append(int(model(torch.tensor([guess]), heads=1)[0, 0, -1].argmax()))
             return [guess[-1]]
         return drafter
 
     cases = [
         (early_model, "self-spec", {}, heads(early_model, [1, 1, 1]), 3),
-        (early_model, "self-spec", {"n_heads": 3}, heads(early_model, [1, 1]), 2),
+        (early_model, "self-spec", {"heads": 3}, heads(early_model, [1, 1]), 2),
         (early_model, "tree", {"tree": Tree.from_widths([3, 2, 2])},
          heads(early_model, [3, 2, 2]), 3),
         (cyclic_model, "draft", {"draft_model": early_model, "gamma": 3}, chain(early_model), 3),
@@ -277,14 +277,14 @@ def test_greedy_matches_uncached_forward() -> None:
     out, _ = generate(model, [prompt], 12)
     seq = list(prompt)
     for _ in range(12):
-        seq.append(int(model(torch.tensor([seq]), n_heads=1)[0, 0, -1].argmax()))
+        seq.append(int(model(torch.tensor([seq]), heads=1)[0, 0, -1].argmax()))
     assert out[0] == seq[len(prompt):]
 
 
 def test_heads_used_and_tree_from_accuracies(cyclic_model) -> None:
     prompts = _cyclic_prompts(cyclic_model, 8, seed=9)
     ref, _ = generate(cyclic_model, prompts, 32)
-    ls = [generate(cyclic_model, prompts, 32, decoder="self-spec", n_heads=h)[1].tokens_per_forward
+    ls = [generate(cyclic_model, prompts, 32, decoder="self-spec", heads=h)[1].tokens_per_forward
           for h in (1, 2, 4)]
     assert ls[0] == 1.0 and ls[0] < ls[1] < ls[2]
     acc = head_accuracy(cyclic_model, [p + o for p, o in zip(prompts, ref, strict=True)],
@@ -340,7 +340,7 @@ def tiny() -> tuple[MTPTransformer, list[int], torch.Tensor]:
     model = _random_model(11, vocab_size=V_TINY, init_std=0.5).requires_grad_(False)
     prompt = [1, 3]
     seqs = torch.tensor([prompt + list(s) for s in itertools.product(range(V_TINY), repeat=N_NEW)])
-    logits = model(seqs, n_heads=1)[0]  # (V^n, P + n, V)
+    logits = model(seqs, heads=1)[0]  # (V^n, P + n, V)
     p = probs_from_logits(logits[:, len(prompt) - 1 : -1], **SAMPLING)  # (V^n, n, V)
     joint = p.gather(-1, seqs[:, len(prompt) :, None])[..., 0].double().prod(-1)
     return model, prompt, joint
@@ -450,8 +450,8 @@ def test_bad_input_gives_clear_errors() -> None:
         generate(single, [[1, 2]], 4, decoder="tree")
     with pytest.raises(ValueError, match="context window"):
         generate(model, [[1] * 128], 4)
-    with pytest.raises(ValueError, match=r"n_heads must be in \[1, 4\]"):
-        generate(model, [[1, 2]], 4, decoder="self-spec", n_heads=5)
+    with pytest.raises(ValueError, match=r"heads must be in \[1, 4\]"):
+        generate(model, [[1, 2]], 4, decoder="self-spec", heads=5)
     with pytest.raises(ValueError, match="unknown decoder 'beam'"):
         generate(model, [[1, 2]], 4, decoder="beam")
     with pytest.raises(ValueError, match="needs a draft model"):

@@ -11,9 +11,10 @@ import torch
 from mtp.eval.completer import load_completer
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+import mtp.bench
 from mtp.checkpoint import EOT_TOKEN, save_checkpoint
 from mtp.config import ModelConfig
-from mtp.decode_cli import bench_main, generate_main
+from mtp.decode_cli import generate_main
 from mtp.model import MTPTransformer
 
 torch.set_num_threads(1)
@@ -23,6 +24,10 @@ TEXTS = [
     "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n",
     "for i in range(10):\n    print(i)\n",
 ]
+
+
+def bench_main(argv: list[str]) -> int:
+    return mtp.bench.main(["decode", *argv])
 
 
 def _tokenizer() -> Tokenizer:
@@ -117,10 +122,10 @@ def test_generate_other_decoders(ckpts, capsys, decoder) -> None:
     [
         (["--ckpt", "K1", "--decoder", "self-spec"], "--decoder self-spec drafts with heads 2..K"),
         (["--ckpt", "K1", "--decoder", "tree"], "single head"),
-        (["--ckpt", "K4", "--n-heads", "5", "--decoder", "self-spec"], "--n-heads must lie in"),
-        (["--ckpt", "K4", "--n-heads", "0", "--decoder", "tree"], "--n-heads must lie in"),
+        (["--ckpt", "K4", "--heads", "5", "--decoder", "self-spec"], "--heads must lie in"),
+        (["--ckpt", "K4", "--heads", "0", "--decoder", "tree"], "--heads must lie in"),
         (["--ckpt", "K4", "--decoder", "sample", "--temperature", "-1"],
-         "--temperature must be >= 0 (got -1.0)"),
+         "--temperature must be finite and >= 0 (got -1.0)"),
         (["--ckpt", "K4", "--decoder", "sample", "--top-p", "0"], "--top-p must be in (0, 1]"),
         (["--ckpt", "K4", "--decoder", "sample", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
         (["--ckpt", "K4", "--decoder", "sample", "--top-k", "0"], "--top-k must be >= 1"),
@@ -140,7 +145,7 @@ def test_generate_other_decoders(ckpts, capsys, decoder) -> None:
          "the tree 1000,1000,1000 has 1001001000 nodes; one forward verifies at most 4096"),
         (["--ckpt", "K4", "--decoder", "tree", "--tree", "4000"], "is wider than the vocabulary"),
         (["--ckpt", "K4", "--decoder", "sample", "--temperature", "nan"],
-         "--temperature must be >= 0 (got nan)"),
+         "--temperature must be finite and >= 0 (got nan)"),
         (["--ckpt", "TEXT"], "notes.txt is not a checkpoint torch can read"),
         (["--ckpt", "K4", "--prompt", "x = 1\n" * 40], "--prompt has"),
     ],
@@ -157,12 +162,23 @@ def test_generate_bad_input_exits_2_naming_the_flag(ckpts, capsys, args, message
     assert message in capsys.readouterr().err
 
 
+def test_generate_reports_every_bad_flag_together(ckpts, capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        generate_main(["--ckpt", ckpts["k4"], "--prompt", "x", "--top-k", "0", "--gamma", "0",
+                       "--tree", "3,x", "--max-new-tokens", "-2"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "4 problems:" in err
+    for flag in ("--top-k must be >= 1 (got 0)", "--gamma must be >= 1 (got 0)", "--tree must be",
+                 "--max-new-tokens must be >= 1 (got -2)"):
+        assert flag in err, flag
+
+
 def test_bench_decode_writes_table_and_csv(ckpts, tmp_path, capsys) -> None:
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": t[:12]}) + "\n" for t in TEXTS))
     out_csv = tmp_path / "bench.csv"
     code = bench_main(["--ckpt", ckpts["k4"], "--draft-ckpt", ckpts["k1"], "--prompts",
-                       str(prompts), "--max-new-tokens", "10", "--n-heads", "2,4",
+                       str(prompts), "--max-new-tokens", "10", "--heads", "2,4",
                        "--auto-tree", "5", "--calib-prompts", "2", "--csv", str(out_csv),
                        "--oracle", "--adaptive", "--repeat", "2"])
     assert code == 0
@@ -190,9 +206,9 @@ def test_bench_decode_bad_input(ckpts, capsys) -> None:
         bench_main(["--ckpt", ckpts["k4"], "--decoders", "greedy,beam"])
     assert e.value.code == 2 and "--decoders: unknown decoder 'beam'" in capsys.readouterr().err
     for args, message in [
-        (["--n-heads", "1,7"], "--n-heads must lie in [1, 4]"),
-        (["--n-heads", "2,x"], "--n-heads: expected comma-separated integers"),
-        (["--temperature", "-0.5"], "--temperature must be >= 0"),
+        (["--heads", "1,7"], "--heads must lie in [1, 4]"),
+        (["--heads", "2,x"], "--heads: expected comma-separated integers"),
+        (["--temperature", "-0.5"], "--temperature must be finite and >= 0"),
         (["--top-p", "2"], "--top-p must be in (0, 1]"),
         (["--repeat", "0"], "--repeat must be >= 1"),
         (["--batch-size", "0"], "--batch-size must be >= 1"),
@@ -218,7 +234,7 @@ def test_bench_decode_batched(ckpts, tmp_path, capsys) -> None:
     prompts.write_text("".join(json.dumps({"prompt": t[:12]}) + "\n" for t in TEXTS * 2))
     out_csv = tmp_path / "bench.csv"
     assert bench_main(["--ckpt", ckpts["k4"], "--prompts", str(prompts), "--max-new-tokens",
-                       "8", "--decoders", "self-spec", "--n-heads", "3", "--batch-size", "4",
+                       "8", "--decoders", "self-spec", "--heads", "3", "--batch-size", "4",
                        "--adaptive", "--repeat", "1", "--csv", str(out_csv)]) == 0
     rows = {r["decoder"]: r for r in csv.DictReader(out_csv.open())}
     assert rows["self-spec h=3 adaptive"]["equal_to_greedy"] == "6/6"

@@ -92,3 +92,27 @@ def test_k_above_the_samples_is_an_error(scored, capsys):
     k = args.index("--k")
     assert main([*args[:k], "--k", "5,10", *args[k + 2:]]) == 2
     assert "--k 5,10" in capsys.readouterr().err
+
+
+def test_greedy_with_several_samples_is_refused(tmp_path, capsys):
+    """Greedy decoding gives one completion; n copies of it are not n samples for pass@k."""
+    ckpt = tmp_path / "model.ckpt"
+    ckpt.write_bytes(b"")  # refused before the checkpoint is read
+    assert main(["humaneval", "--ckpt", str(ckpt), "--n-samples", "4", "--k", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--n-samples 4 at --temperature 0" in err and "--temperature > 0" in err
+
+
+def test_duplicate_completions_are_counted_and_warned_about(tmp_path, capsys):
+    task = load_benchmark("humaneval").tasks[0]
+    comp = tmp_path / "c.jsonl"
+    lines = [task.canonical_solution, task.canonical_solution, "    return None\n",
+             task.canonical_solution]
+    comp.write_text("".join(json.dumps({"task_id": task.task_id, "completion": c}) + "\n"
+                            for c in lines))
+    with pytest.warns(UserWarning, match="2 of 4 samples repeat an earlier sample"):
+        assert main(["humaneval", "--completions", str(comp), "--limit", "1", "--k", "1,2",
+                     "--output", str(tmp_path / "out")]) == 0
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["duplicate_samples"] == 2 and summary["n_samples"] == 4
+    assert summary["pass@1"] == 0.75

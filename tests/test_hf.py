@@ -51,7 +51,7 @@ def test_transformers_logits_are_head_1s(tmp_path, tokenizer, K, n_kv_heads, tie
     assert type(hf).__name__ == "LlamaForCausalLM"
     ids = torch.randint(0, 320, (3, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        want = model(ids, n_heads=1)[0]
+        want = model(ids, heads=1)[0]
         got = hf(ids).logits
     rel = (got - want).norm() / want.norm()
     assert rel <= 1e-5, f"relative error {rel:.2e}"

@@ -92,7 +92,7 @@ def test_qwen2_model_exports_and_reads_back(tmp_path, tokenizer):
     hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(hf).__name__ == "Qwen2ForCausalLM"
     with torch.no_grad():
-        rel = (hf(_ids()).logits - model.eval()(_ids(), n_heads=1)[0]).norm()
+        rel = (hf(_ids()).logits - model.eval()(_ids(), heads=1)[0]).norm()
     assert rel / hf(_ids()).logits.norm() <= 1e-5
     back, _ = load_checkpoint(out)
     for name, w in model.state_dict().items():
@@ -205,7 +205,7 @@ def test_self_targets_are_the_models_own_greedy_predictions():
             for i in range(3):
                 for t in range(6):
                     prefix = window[b:b + 1, :t + i + 1]
-                    assert got[i, b, t] == model(prefix, n_heads=1)[0, 0, -1].argmax()
+                    assert got[i, b, t] == model(prefix, heads=1)[0, 0, -1].argmax()
 
 
 def test_self_distillation_teaches_the_new_heads_the_models_own_continuations():

@@ -153,6 +153,9 @@ def test_tied_embeddings_share_one_tensor():
     ({"d_model": 100, "n_heads": 3}, "--model.d_model (100) must be divisible by --model.n_heads"),
     ({"n_heads": 4, "d_model": 256, "n_kv_heads": 3}, "--model.n_kv_heads (3)"),
     ({"matched_params": True, "n_layers": 2, "n_future": 4}, "--model.matched_params"),
+    ({"head_type": "nonsense"}, "--model.head_type must be one of block, linear (got 'nonsense')"),
+    ({"head_type": "linear", "matched_params": True},
+     "--model.matched_params needs --model.head_type block"),
 ])
 def test_bad_model_configs_name_the_flag(kwargs, flag):
     with pytest.raises(ConfigError) as err:

@@ -1,5 +1,6 @@
 """Training through Lightning: resume, checkpoints, the `mtp fit` CLI, every shipped YAML."""
 
+import json
 import logging
 import subprocess
 import sys
@@ -300,10 +301,46 @@ def test_train_accuracy_is_computed_on_the_steps_that_are_logged(tiny_corpus, tm
     assert logged and logged == computed == [3, 7, 11]
 
 
-def test_mtp_help_imports_nothing_heavy():
-    """`mtp --help` answers without importing torch or Lightning (seconds each)."""
-    code = ("import sys; from mtp.cli import main; assert main(['--help']) == 0; "
-            "heavy = {'torch', 'lightning', 'numpy'} & set(sys.modules); assert not heavy, heavy")
+HELP_LINES = [[], ["fit"], ["validate"], ["generate"], ["eval"], ["export"], ["export", "hf"],
+              ["bench"], *[["bench", b] for b in ("loss", "train", "kernel", "decode", "tokenize",
+                                                 "sandbox")]]
+
+
+def test_every_help_imports_nothing_heavy():
+    """`mtp --help` and every subcommand's `--help` answer without importing torch or
+    Lightning (seconds each); every one prints a usage line naming its command."""
+    code = ("import contextlib, io, json, sys\n"
+            "from mtp.cli import main\n"
+            "out = {}\n"
+            f"for line in {HELP_LINES!r}:\n"
+            "    buf = io.StringIO()\n"
+            "    with contextlib.redirect_stdout(buf):\n"
+            "        try:\n"
+            "            code = main([*line, '--help'])\n"
+            "        except SystemExit as e:\n"
+            "            code = e.code\n"
+            "    out[' '.join(line)] = [code, buf.getvalue()[:200]]\n"
+            "heavy = {'torch', 'lightning', 'numpy', 'tokenizers'} & set(sys.modules)\n"
+            "print(json.dumps({'heavy': sorted(heavy), 'out': out}))\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    assert "generate" in proc.stdout and "export" in proc.stdout
+    result = json.loads(proc.stdout.splitlines()[-1])
+    assert result["heavy"] == []
+    for line, (code, text) in result["out"].items():
+        assert code in (0, None), (line, code, text)
+        assert "usage:" in text and (line.split()[-1] if line else "commands") in text, line
+
+
+def test_stored_fit_help_is_what_lightning_cli_prints():
+    """`mtp fit --help` prints a stored copy (Lightning takes seconds to build it); the copy
+    must be the live text of a fresh process (the help lists the callback classes imported), or
+    `python -m mtp.fit_help` must be rerun."""
+    code = ("import json\nfrom mtp import fit_help\n"
+            "print(json.dumps({c: [fit_help.stored_help(c), fit_help.live_help(c)] "
+            "for c in fit_help.COMMANDS}))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    for command, (stored, live) in json.loads(proc.stdout.splitlines()[-1]).items():
+        assert stored is not None, f"mtp/fit_help/{command}.txt is missing or stale"
+        assert stored == live, f"`mtp {command} --help` changed: rerun `python -m mtp.fit_help`"
+        assert "--model.n_future" in stored and "--trainer.max_steps" in stored

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from mtp.config import DECODERS
 from mtp.decoding.drafters import Drafter, DraftModel, HeadChain, HeadTree, Oracle
 from mtp.decoding.engine import Context, new_cache, run
 from mtp.decoding.policy import Adaptive, Fixed
@@ -37,7 +38,6 @@ __all__ = [
     "sample_from_logits",
 ]
 
-DECODERS = ("greedy", "sample", "self-spec", "tree", "draft")
 #: Decoders `generate` also takes that are not for use: `oracle` drafts a given reference (the
 #: tokens greedy will emit), an upper bound that measures the loop's own cost.
 _MEASURING = ("oracle",)
@@ -79,7 +79,7 @@ def _problems(model, prompts, decoder, *, max_new_tokens, temperature, top_k, to
             "(--model.n_future 1); use 'greedy', 'sample' or 'draft'"
         )
     if not 1 <= heads <= cfg.n_future:
-        problems.append(f"n_heads must be in [1, {cfg.n_future}] (the model's --model.n_future) "
+        problems.append(f"heads must be in [1, {cfg.n_future}] (the model's --model.n_future) "
                         f"(got {heads})")
     if temperature < 0:
         problems.append(f"temperature must be >= 0 (got {temperature})")
@@ -108,7 +108,7 @@ def generate(
     temperature: float | None = None,
     top_k: int | None = None,
     top_p: float | None = None,
-    n_heads: int | None = None,
+    heads: int | None = None,
     tree: Tree | None = None,
     draft_model: MTPTransformer | None = None,
     gamma: int = 4,
@@ -134,7 +134,7 @@ def generate(
             as `sample`.
         top_k: sampling keeps the k most likely tokens.
         top_p: sampling keeps the nucleus of mass top_p.
-        n_heads: heads used by `self-spec` and `tree`, 1..K (default K); h heads draft h - 1 tokens.
+        heads: heads used by `self-spec` and `tree`, 1..K (default K); h heads draft h - 1 tokens.
         tree: the candidate tree of `tree` (default `Tree.from_widths([3, 2, 1, 1, ...])`).
         draft_model: the drafting model of `draft` (its head 1 is used; same vocabulary).
         gamma: tokens the draft model (or the oracle) proposes per round.
@@ -159,7 +159,7 @@ def generate(
     prompts = _as_prompts(input_ids)
     if decoder not in DECODERS + _MEASURING:
         raise ValueError(f"unknown decoder {decoder!r}; choose one of {', '.join(DECODERS)}")
-    heads = model.cfg.n_future if n_heads is None else n_heads
+    heads = model.cfg.n_future if heads is None else heads
     if decoder == "sample" and temperature is None:
         temperature = 1.0
     temperature = temperature or 0.0

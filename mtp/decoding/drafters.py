@@ -67,9 +67,9 @@ class Drafter:
 class HeadChain(Drafter):
     """Heads 2..h draft h - 1 tokens from the last committed position."""
 
-    def __init__(self, model: MTPTransformer, n_heads: int) -> None:
-        self.heads = draft_heads(model, n_heads)
-        self.max_drafts = n_heads - 1
+    def __init__(self, model: MTPTransformer, heads: int) -> None:
+        self.heads = draft_heads(model, heads)
+        self.max_drafts = heads - 1
         self.drafts = self.q = None
         # Trunk outputs (B, 1, d) and rotary tables of tokens committed by rounds that drafted
         # nothing, not yet run through the draft heads (see `commit`).
@@ -166,9 +166,9 @@ class HeadTree(HeadChain):
     (each node sees its ancestors) and positions lengths + depth; the cache keeps the accepted
     path only."""
 
-    def __init__(self, model: MTPTransformer, n_heads: int, tree: Tree) -> None:
-        super().__init__(model, n_heads)
-        self.tree = tree.pruned(n_heads - 1)
+    def __init__(self, model: MTPTransformer, heads: int, tree: Tree) -> None:
+        super().__init__(model, heads)
+        self.tree = tree.pruned(heads - 1)
         self.top = max(self.tree.widths(), default=1)
         self.max_drafts = self.tree.depth
         self.by_depth: dict[int, TreeTensors] = {}  # the tree cut to fewer levels near the end

@@ -27,14 +27,14 @@ __all__ = ["DraftHeads", "draft_heads"]
 
 
 class DraftHeads:
-    """Heads 2..n_heads of a model as one stacked module (see the module docstring)."""
+    """Heads 2..heads of a model as one stacked module (see the module docstring)."""
 
-    def __init__(self, model: MTPTransformer, n_heads: int) -> None:
+    def __init__(self, model: MTPTransformer, heads: int) -> None:
         cfg = model.cfg
-        self.model, self.n = model, n_heads - 1
+        self.model, self.n = model, heads - 1
         self.first_layer = cfg.n_trunk_layers + 1  # cache layer of head 2
         self.cached = cfg.head_type == "block"  # linear heads keep no keys and values
-        self.stacked = stack_blocks(list(model.heads[1:n_heads])) if self.n else None
+        self.stacked = stack_blocks(list(model.heads[1:heads])) if self.n else None
 
     def __call__(
         self,
@@ -59,10 +59,10 @@ def _weights_key(model: MTPTransformer) -> tuple:
     return tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in model.heads.parameters())
 
 
-def draft_heads(model: MTPTransformer, n_heads: int) -> DraftHeads:
-    """The stacked heads 2..n_heads of `model`, built on first use and kept with the model."""
+def draft_heads(model: MTPTransformer, heads: int) -> DraftHeads:
+    """The stacked heads 2..heads of `model`, built on first use and kept with the model."""
     key = _weights_key(model)
     built = _BUILT.setdefault(model, {})
-    if n_heads not in built or built[n_heads][0] != key:
-        built[n_heads] = (key, DraftHeads(model, n_heads))
-    return built[n_heads][1]
+    if heads not in built or built[heads][0] != key:
+        built[heads] = (key, DraftHeads(model, heads))
+    return built[heads][1]

@@ -139,7 +139,7 @@ def _run(spec: dict) -> dict:
 
 
 def _run_in_subprocess(spec: dict) -> dict:
-    out = subprocess.run([sys.executable, "-m", "mtp.bench_tokenize", "_run", json.dumps(spec)],
+    out = subprocess.run([sys.executable, "-m", "mtp.bench", "_tokenize_run", json.dumps(spec)],
                          stdout=subprocess.PIPE, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -147,32 +147,22 @@ def _run_in_subprocess(spec: dict) -> dict:
 # -- entry point --------------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`mtp bench tokenize [--size-mb N] [--workers 1,2] ...`."""
-    from mtp.bench import comma_ints, publish  # imports this module
+def worker(spec_json: str) -> int:
+    """Internal: one tokenisation in this (fresh) process; prints its measurements as JSON."""
+    print(json.dumps(_run(json.loads(spec_json))))
+    return 0
 
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["_run"]:  # internal: one tokenisation in a fresh process
-        print(json.dumps(_run(json.loads(argv[1]))))
-        return 0
-    parser = argparse.ArgumentParser(prog="mtp bench tokenize", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size-mb", type=float, default=1024,
-                        help="corpus size in MiB (default 1024)")
-    parser.add_argument("--dir", default=".mtp_cache/bench_tokenize",
-                        help="where the corpus, tokenizer and (while a run lasts) shards live")
-    parser.add_argument("--workers", type=comma_ints, default=[1, 2],
-                        help="worker counts, e.g. 1,2")
-    parser.add_argument("--vocab", type=int, default=4096, help="vocabulary of the trained BPE")
-    parser.add_argument("--tokenizer", default=None, help="a tokenizer.json instead of training")
-    parser.add_argument("--tokenizer-train-mb", type=float, default=8,
-                        help="MiB of the corpus the BPE is trained on")
-    parser.add_argument("--keep-shards", action="store_true", help="keep each run's shards")
-    parser.add_argument("--csv", default="bench_results/tokenize.csv")
-    args = parser.parse_args(argv)
+
+def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """`mtp bench tokenize`: print the table and append it to `--csv`."""
+    from mtp.bench.report import publish
+
     if args.size_mb <= 0:
-        parser.error(f"--size-mb must be > 0 (got {args.size_mb})")
-
+        p.error(f"--size-mb must be > 0 (got {args.size_mb})")
+    if min(args.workers) < 1:
+        p.error(f"--workers must be >= 1 (got {min(args.workers)})")
+    if args.tokenizer is not None and not Path(args.tokenizer).is_file():
+        p.error(f"--tokenizer {args.tokenizer}: no such file")
     size = int(args.size_mb * MIB)
     corpus = Path(args.dir).absolute() / f"corpus-{args.size_mb:g}MiB"
     info = generate_corpus(corpus, size)
@@ -193,9 +183,5 @@ def main(argv: list[str] | None = None) -> int:
                      "total_pss_mib": result["total_pss_mib"],
                      "speedup": first["seconds"] / result["seconds"],
                      "identical": int(result["sha256"] == first["sha256"])})
-    publish(rows, args.csv)
+    publish(rows, args.csv, args.command)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -14,9 +14,9 @@ Every implementation runs on the same inputs in one process, so ratios are side 
 
 Usage::
 
-    python -m mtp.bench_kernels                      # default shapes for the device
-    python -m mtp.bench_kernels --dtype fp32 --shapes 8192,2048,32000 --csv out.csv
-    python -m mtp.bench_kernels --sweep               # tile-size sweep of the Triton kernels
+    mtp bench kernel                      # default shapes for the device
+    mtp bench kernel --dtype fp32 --shapes 8192,2048,32000 --csv out.csv
+    mtp bench kernel --sweep              # tile-size sweep of the Triton kernels
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from mtp.bench import environment, format_table, median_ms, write_csv
+from mtp.bench.report import publish
+from mtp.bench.timing import median_ms, sync
 from mtp.kernels import TritonConfig, linear_cross_entropy, linear_cross_entropy_reference
 
 LossFn = Callable[[Tensor, Tensor, Tensor], Tensor]
@@ -74,24 +75,19 @@ def available_impls() -> dict[str, LossFn]:
     return impls
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _peak_extra_mib(fn: Callable[[], object], device: torch.device) -> float | None:
     """Peak memory above what was allocated before ``fn`` (CUDA only)."""
     if device.type != "cuda":
         return None
-    _sync(device)
+    sync(device)
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
     fn()
-    _sync(device)
+    sync(device)
     return (torch.cuda.max_memory_allocated(device) - base) / 2**20
 
 
-def _peak_tflops(dtype: torch.dtype, device: torch.device) -> float | None:
+def peak_tflops(dtype: torch.dtype, device: torch.device) -> float | None:
     if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         return None
     name = torch.cuda.get_device_name(device)
@@ -150,7 +146,7 @@ def _bench_one(
             torch.cuda.empty_cache()
     if row["status"] == "ok":
         row["tflops_6NdV"] = 6 * n * d * vocab / (row["fwd_bwd_ms"] * 1e-3) / 1e12
-        peak = _peak_tflops(dtype, device)
+        peak = peak_tflops(dtype, device)
         row["pct_peak"] = 100 * row["tflops_6NdV"] / peak if peak else None
     return row
 
@@ -228,46 +224,34 @@ COLUMNS = [
 ]  # fmt: skip
 
 
-def _parse_shapes(text: str) -> list[tuple[int, int, int]]:
+def _parse_shapes(p: argparse.ArgumentParser, text: str) -> list[tuple[int, int, int]]:
     shapes = []
     for part in text.split(";"):
-        values = tuple(int(v) for v in part.split(","))
-        if len(values) != 3:
-            raise argparse.ArgumentTypeError(f"--shapes expects N,d,V[;N,d,V...] (got {part!r})")
+        try:
+            values = tuple(int(v) for v in part.split(","))
+        except ValueError:
+            values = ()
+        if len(values) != 3 or min(values) < 1:
+            p.error(f"--shapes expects N,d,V[;N,d,V...] of positive integers (got {part!r})")
         shapes.append(values)
     return shapes
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-    """Command-line entry: print a table and write a CSV."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", type=_parse_shapes, default=None, help="N,d,V[;N,d,V...]")
-    parser.add_argument("--dtype", choices=list(DTYPES), default=None, help="default bf16 on GPU")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--impls", default=None, help="comma-separated subset of implementations")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--sweep", action="store_true", help="tile sweep of the Triton kernels")
-    parser.add_argument("--csv", default="bench_results/kernel_bench.csv")
-    args = parser.parse_args(argv)
-
-    device = torch.device(args.device)
-    shapes = args.shapes or (GPU_SHAPES if device.type == "cuda" else CPU_SHAPES)
+def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """`mtp bench kernel`: print the table and append it to `--csv`."""
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    shapes = (_parse_shapes(p, args.shapes) if args.shapes
+              else GPU_SHAPES if device.type == "cuda" else CPU_SHAPES)
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     if args.sweep:
         rows = [r for s in shapes for r in run_config_sweep(s, dtype, device)]
     else:
         impls = args.impls.split(",") if args.impls else None
-        rows = run_kernel_bench(
-            shapes, dtype, device, impls=impls, warmup=args.warmup, reps=args.reps
-        )
-    env = environment()
-    print(", ".join(f"{k}={v}" for k, v in env.items()))
-    print(format_table([{c: r.get(c) for c in COLUMNS if any(c in x for x in rows)}
-                        for r in rows]))
-    write_csv(rows, args.csv)
-    return rows
-
-
-if __name__ == "__main__":
-    main()
+        try:
+            rows = run_kernel_bench(shapes, dtype, device, impls=impls, warmup=args.warmup,
+                                    reps=args.reps)
+        except ValueError as e:
+            p.error(f"--impls: {e}")
+    publish(rows, args.csv, args.command,
+            columns=[c for c in COLUMNS if any(c in r for r in rows)])
+    return 0

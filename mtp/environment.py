@@ -1,0 +1,73 @@
+"""What a result was produced with: the code's git revision, the library versions and the machine.
+
+Benchmark CSVs (`mtp.bench.report`), study reports (`experiments.common`) and evaluation
+summaries (`mtp.eval`) all stamp their results from here. Nothing heavy is imported until a
+function that needs it runs (versions come from package metadata).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import subprocess
+from collections.abc import Sequence
+from importlib import metadata
+from pathlib import Path
+
+__all__ = ["REPO", "environment", "git_state", "versions"]
+
+#: The checkout the code runs from (the parent of the `mtp` package).
+REPO = Path(__file__).resolve().parents[1]
+
+
+def git_state(root: Path = REPO, *, exclude: Sequence[str] = (), short: bool = True,
+              untracked: bool = False) -> tuple[str, bool]:
+    """HEAD's revision under `root` and whether tracked files differ from it (with `untracked`,
+    also whether files git does not ignore are uncommitted; paths listed in `exclude`, relative
+    to `root`, do not count); ("unknown", False) outside a git checkout."""
+    spec = ["--", ".", *(f":(exclude){p}" for p in exclude)] if exclude else []
+    try:
+        rev = subprocess.run(["git", "rev-parse", *(["--short"] if short else []), "HEAD"],
+                             cwd=root, capture_output=True, text=True, timeout=10,
+                             check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain",
+                                f"--untracked-files={'normal' if untracked else 'no'}", *spec],
+                               cwd=root, capture_output=True, text=True, timeout=10,
+                               check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown", False
+    return rev, bool(dirty)
+
+
+def versions(*dists: str) -> dict[str, str]:
+    """Python's version and each installed distribution's (those not installed are left out)."""
+    out = {"python": platform.python_version()}
+    for dist in dists:
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def environment() -> dict[str, str]:
+    """Hardware, torch threads, library versions, git revision (`+dirty` with uncommitted
+    changes) and UTC time: the columns stamped on every benchmark row."""
+    import torch
+
+    if torch.cuda.is_available():
+        hardware = torch.cuda.get_device_name(0)
+    else:
+        hardware = f"cpu:{platform.processor() or platform.machine()} x{os.cpu_count()}"
+    rev, dirty = git_state()
+    found = versions("torch", "triton")
+    return {
+        "hardware": hardware,
+        "threads": str(torch.get_num_threads()),
+        "python": found["python"],
+        "torch": found.get("torch", torch.__version__),
+        "triton": found.get("triton", "none"),
+        "git_rev": rev + ("+dirty" if dirty else ""),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
