@@ -33,11 +33,14 @@ from common import (  # noqa: E402 (the script's directory must be on the path f
     markdown_table,
     pm,
     single_thread,
+    study_main,
     summarize,
     t95,
     to_float,
     welch_t,
 )
+
+from mtp.config import InputError  # noqa: E402
 
 COLUMNS = ["d_model", "K", "seed", "params", "steps", "acc_in", "acc_out", "coef_acc_in",
            "coef_acc_out", "acc_by_ops", "chance", "train_s"]
@@ -111,7 +114,8 @@ def report(out: Path, preset: dict, command: str) -> str:
     """Write `<out>/README.md` and the PNG plots from `<out>/results.csv`."""
     rows = ResultsCSV(out / "results.csv", COLUMNS, KEY).rows()
     if not rows:
-        raise SystemExit(f"no results in {out / 'results.csv'}")
+        raise InputError(f"no results in {out / 'results.csv'} (run the study without "
+                         "--report-only first)")
     task = _task(preset)
     lo, hi = task.train_ops
     by = group(rows, ["d_model", "K"])
@@ -257,4 +261,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(study_main(main))

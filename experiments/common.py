@@ -14,10 +14,10 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-import yaml
+from mtp.config import ConfigError, UserError, read_yaml_mapping
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -38,6 +38,16 @@ def single_thread() -> None:
     torch.set_num_threads(1)
 
 
+def study_main(main: Callable[[], int]) -> int:
+    """Run a study's `main`; a user's mistake (`mtp.config.UserError`: an unknown preset, a
+    malformed file, no results to report) is one line on stderr and exit status 2."""
+    try:
+        return main()
+    except UserError as err:
+        print(f"{Path(sys.argv[0]).name}: error: {err}", file=sys.stderr)
+        return 2
+
+
 def load_preset(study: str, name_or_path: str) -> dict:
     """A study's preset: `experiments/presets/<study>_<name>.yaml` or an explicit YAML path."""
     path = Path(name_or_path)
@@ -46,15 +56,9 @@ def load_preset(study: str, name_or_path: str) -> dict:
     if not path.is_file():
         known = sorted(p.stem.removeprefix(f"{study}_")
                        for p in (REPO / "experiments" / "presets").glob(f"{study}_*.yaml"))
-        raise SystemExit(f"unknown preset {name_or_path!r} for {study}; known: {known}")
-    with open(path) as f:
-        try:
-            preset = yaml.safe_load(f)
-        except yaml.YAMLError as err:
-            raise SystemExit(f"preset {path} is not valid YAML: {err}") from None
-    if not isinstance(preset, dict):
-        raise SystemExit(f"preset {path} must be a YAML mapping of settings (it holds a "
-                         f"{type(preset).__name__})")
+        raise ConfigError(f"--preset {name_or_path}: no such preset for {study} (known: "
+                          f"{', '.join(known)}) and no such file")
+    preset = read_yaml_mapping(path, f"--preset {path}")
     preset["_path"] = str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
     return preset
 

@@ -32,11 +32,14 @@ from common import (  # noqa: E402 (the script's directory must be on the path f
     markdown_table,
     pm,
     single_thread,
+    study_main,
     summarize,
     t95,
     to_float,
     welch_t,
 )
+
+from mtp.config import InputError  # noqa: E402
 
 COLUMNS = ["d_model", "K", "seed", "params", "n_layers", "steps", "copy_acc", "chance",
            "train_s"]
@@ -94,7 +97,8 @@ def report(out: Path, preset: dict, command: str) -> str:
     """Write `<out>/README.md` and `<out>/induction_accuracy.png` from `<out>/results.csv`."""
     rows = ResultsCSV(out / "results.csv", COLUMNS, KEY).rows()
     if not rows:
-        raise SystemExit(f"no results in {out / 'results.csv'}")
+        raise InputError(f"no results in {out / 'results.csv'} (run the study without "
+                         "--report-only first)")
     by = group(rows, ["d_model", "K"])
     sizes = sorted({int(r["d_model"]) for r in rows})
     ks = sorted({int(r["K"]) for r in rows})
@@ -217,4 +221,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(study_main(main))

@@ -43,11 +43,14 @@ from common import (  # noqa: E402 (the script's directory must be on the path f
     parse_int_list,
     pm,
     single_thread,
+    study_main,
     summarize,
     t95,
     to_float,
     welch_t,
 )
+
+from mtp.config import InputError  # noqa: E402
 
 MAX_K = 8
 COLUMNS = ["K", "seed", "params", "steps", "next_token_loss", "val_loss_mean",
@@ -270,7 +273,8 @@ def report(out: Path, preset: dict, command: str, note: str = "") -> str:
     """Write `<out>/README.md` and the loss / L / speedup plots from `<out>/results.csv`."""
     rows = ResultsCSV(out / "results.csv", COLUMNS, KEY).rows()
     if not rows:
-        raise SystemExit(f"no results in {out / 'results.csv'}")
+        raise InputError(f"no results in {out / 'results.csv'} (run the study without "
+                         "--report-only first)")
     by = group(rows, ["K"])
     ks = sorted(int(k) for (k,) in by)
 
@@ -454,4 +458,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(study_main(main))

@@ -9,8 +9,10 @@ Validation collects every problem of a config before raising, and each message n
 from __future__ import annotations
 
 import dataclasses
+import os
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 
@@ -33,6 +35,28 @@ class MissingInput(FileNotFoundError, UserError):
 
 #: Tokens of a byte-level BPE before any merge: the 256 bytes and the end-of-text token.
 BYTE_LEVEL_BASE = 257
+
+
+def read_yaml_mapping(path: str | os.PathLike, what: str) -> dict:
+    """The YAML file at `path`, which must hold a mapping; `what` names it in errors (the flag,
+    e.g. `--config x.yaml`), with the line of a syntax error."""
+    import yaml
+
+    try:
+        text = Path(path).read_text()
+    except OSError as err:
+        raise InputError(f"{what}: cannot read {path} ({err.strerror})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}:" if mark else ""
+        problem = getattr(err, "problem", None) or str(err)
+        raise InputError(f"{what}: not valid YAML:{where} {problem}") from None
+    if not isinstance(data, dict):
+        raise InputError(f"{what}: must be a YAML mapping of settings (it holds a "
+                         f"{type(data).__name__})")
+    return data
 
 
 def _raise_if(problems: list[str]) -> None:

@@ -29,6 +29,7 @@ from mtp.config import (
     ModelConfig,
     OptimConfig,
     RunConfig,
+    read_yaml_mapping,
 )
 from mtp.data import MTPDataModule, build_datamodule, unigram_entropy
 from mtp.fault import AtomicCheckpointIO, Interruptible
@@ -208,9 +209,23 @@ def report_fit(trainer, module: MTPModule, dm: MTPDataModule, model) -> None:
         print(f"TensorBoard: tensorboard --logdir {Path(trainer.logger.log_dir).parent}")
 
 
+def _check_config_files(argv: list[str]) -> None:
+    """Each `--config FILE` is a readable YAML mapping, or an error names the file and line
+    (LightningCLI's own message shows neither)."""
+    for i, arg in enumerate(argv):
+        value = None
+        if arg in ("-c", "--config") and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith("--config="):
+            value = arg.split("=", 1)[1]
+        if value is not None and (Path(value).is_file() or value.endswith((".yaml", ".yml"))):
+            read_yaml_mapping(value, f"--config {value}")
+
+
 def fit_main(argv: list[str]) -> int:
     """`mtp fit|validate ...`: LightningCLI with mtp's config groups."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+    _check_config_files(argv)
     cli = MTPCLI(
         argv=argv,
         model_class=MTPModule,

@@ -28,7 +28,7 @@ from synthetic import (  # noqa: E402
     induction_accuracy,
 )
 
-from mtp.config import ModelConfig  # noqa: E402
+from mtp.config import InputError, ModelConfig  # noqa: E402
 from mtp.model import MTPTransformer  # noqa: E402
 
 # -- induction data ---------------------------------------------------------------------------
@@ -241,12 +241,22 @@ def test_k_sweep_runs_reports_and_skips_finished_runs(tiny_corpus, tmp_path, mon
 
 @pytest.mark.parametrize("text, why", [("- 1\n- 2\n", "must be a YAML mapping of settings (it "
                                                      "holds a list)"),
-                                       ("a: [1\n", "is not valid YAML")])
-def test_a_malformed_preset_is_named(tmp_path, text, why):
+                                       ("a: [1\n", "not valid YAML: line 2, column 1:")])
+def test_a_malformed_preset_is_named(tmp_path, capsys, text, why):
     path = tmp_path / "preset.yaml"
     path.write_text(text)
-    with pytest.raises(SystemExit, match=re.escape(why)):
+    with pytest.raises(InputError, match=re.escape(why)):
         common.load_preset("k_sweep", str(path))
+    # a study's command line reports it in one line, exit status 2
+    assert common.study_main(lambda: k_sweep.main(["--preset", str(path)])) == 2
+    err = capsys.readouterr().err
+    assert f"--preset {path}" in err and why in err and "Traceback" not in err
+
+
+def test_an_unknown_preset_names_the_known_ones(capsys):
+    assert common.study_main(lambda: k_sweep.main(["--preset", "nonsense"])) == 2
+    assert "--preset nonsense: no such preset for k_sweep (known: cpu, gpu)" in \
+        capsys.readouterr().err
 
 
 def test_environment_names_uncommitted_code_but_not_the_studys_own_outputs(tmp_path,

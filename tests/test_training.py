@@ -344,3 +344,15 @@ def test_stored_fit_help_is_what_lightning_cli_prints():
         assert stored is not None, f"mtp/fit_help/{command}.txt is missing or stale"
         assert stored == live, f"`mtp {command} --help` changed: rerun `python -m mtp.fit_help`"
         assert "--model.n_future" in stored and "--trainer.max_steps" in stored
+
+
+@pytest.mark.parametrize("text, why", [
+    ("model: [1, 2\n", "not valid YAML: line 2, column 1: expected ',' or ']'"),
+    ("- model\n- data\n", "must be a YAML mapping of settings (it holds a list)"),
+])
+def test_a_malformed_config_file_is_named_with_its_line(tmp_path, capsys, text, why):
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    assert main(["fit", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"--config {path}: {why}" in err and "Traceback" not in err
