@@ -24,7 +24,7 @@ class ModelCompleter:
         batch_size: int = 16,
         **decode_kwargs,
     ) -> None:
-        from mtp.checkpoint import eot_id
+        from mtp.vocab import eot_id
 
         self.model, self.tokenizer, self.decoder = model, tokenizer, decoder
         self.draft_model, self.batch_size = draft_model, batch_size

@@ -221,9 +221,10 @@ def evaluate(preset: dict, k: int, seed: int, run_dir: Path) -> dict:
     """Every measurement of one trained run (see the module docstring)."""
     import torch
 
-    from mtp.checkpoint import eot_id, load_checkpoint
+    from mtp.checkpoint import load_checkpoint
     from mtp.config import DataConfig
     from mtp.data import build_datamodule
+    from mtp.vocab import eot_id
 
     ev = preset["eval"]
     ckpt = last_checkpoint(run_dir)

@@ -14,8 +14,9 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from mtp.config import InputError, MissingInput, ModelConfig
+from mtp.config import ConfigError, InputError, MissingInput, ModelConfig
 from mtp.model import MTPTransformer
+from mtp.vocab import check_vocab
 
 #: The default end-of-text token (`ModelConfig.eot_token`), which mtp's own tokenizers hold.
 EOT_TOKEN = ModelConfig.eot_token
@@ -83,21 +84,12 @@ def load_checkpoint(
     return model.to(device).eval(), tokenizer
 
 
-def check_vocab(tokenizer: Tokenizer, cfg: ModelConfig, *, source: str) -> None:
-    """Raise if the tokenizer can produce ids the model has no embedding for."""
-    n = tokenizer.get_vocab_size()
-    if n > cfg.vocab_size:
-        raise InputError(
-            f"tokenizer from {source} has {n} tokens but the model's vocabulary "
-            f"(--model.vocab_size) is {cfg.vocab_size}"
-        )
-    eot_id(tokenizer, cfg, source=source)
-
-
-def eot_id(tokenizer: Tokenizer, cfg: ModelConfig, *, source: str = "the checkpoint") -> int:
-    """The id of the model's end-of-text token (`cfg.eot_token`) in `tokenizer`."""
-    i = tokenizer.token_to_id(cfg.eot_token)
-    if i is None:
-        raise InputError(f"tokenizer from {source} has no end-of-text token {cfg.eot_token!r} "
-                         f"(--model.eot_token)")
-    return i
+def check_checkpoint_config(checkpoint: dict, model_cfg: ModelConfig) -> None:
+    """Raise if a checkpoint was trained with another model config, naming each flag."""
+    saved_cfg = checkpoint.get("mtp", {}).get("model_config", {})
+    ours = dataclasses.asdict(model_cfg)
+    differ = [f"--model.{k} (checkpoint {saved_cfg[k]!r}, now {ours[k]!r})"
+              for k in ours if k in saved_cfg and saved_cfg[k] != ours[k]]
+    if differ:
+        raise ConfigError("the checkpoint was trained with another model config: "
+                         + ", ".join(differ))

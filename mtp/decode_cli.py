@@ -237,8 +237,8 @@ def generate_main(argv: list[str]) -> int:
     model, tokenizer, draft = load(p, args, [args.decoder], heads)
     import torch
 
-    from mtp.checkpoint import eot_id
     from mtp.decoding import generate
+    from mtp.vocab import eot_id
 
     ids = tokenizer.encode(args.prompt).ids
     window = model.cfg.max_seq_len

@@ -20,7 +20,6 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ThroughputMonitor
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-from mtp.checkpoint import eot_id
 from mtp.config import (
     CompileConfig,
     ConfigError,
@@ -34,6 +33,7 @@ from mtp.config import (
 from mtp.data import MTPDataModule, build_datamodule, unigram_entropy
 from mtp.fault import AtomicCheckpointIO, Interruptible
 from mtp.module import MTPModule
+from mtp.vocab import eot_id
 
 #: Trainer settings of the CPU default run (configs/cpu.yaml spells out the same values).
 TRAINER_DEFAULTS = {
@@ -155,8 +155,7 @@ class MTPCLI(LightningCLI):
 
 def _check_resume_checkpoint(path: Path, model: ModelConfig) -> None:
     """Before any data is read: `--ckpt_path` must be an mtp checkpoint of this model config."""
-    from mtp.checkpoint import read_checkpoint
-    from mtp.module import check_checkpoint_config
+    from mtp.checkpoint import check_checkpoint_config, read_checkpoint
 
     try:
         check_checkpoint_config(read_checkpoint(path, mmap=True), model)

@@ -65,7 +65,7 @@ def _check_exportable(cfg: ModelConfig) -> None:
 
 def llama_config(cfg: ModelConfig, tokenizer: Tokenizer, dtype: torch.dtype) -> dict:
     """The ``config.json`` of the `LlamaForCausalLM` whose logits are head 1's."""
-    from mtp.checkpoint import eot_id
+    from mtp.vocab import eot_id
 
     eot = eot_id(tokenizer, cfg)
     # Llama's attention_bias would add an output-projection bias too; Qwen2 is the layout with
@@ -175,7 +175,7 @@ def export(model: MTPTransformer, tokenizer: Tokenizer, output: str | os.PathLik
     """
     from safetensors.torch import save_file
 
-    from mtp.checkpoint import check_vocab, eot_id
+    from mtp.vocab import check_vocab, eot_id
 
     output = Path(output)
     if output.exists() and not (output.is_dir() and not any(output.iterdir())):
@@ -227,7 +227,7 @@ def load_export(path: str | os.PathLike) -> tuple[MTPTransformer, Tokenizer]:
     """
     from safetensors.torch import load_file
 
-    from mtp.checkpoint import check_vocab
+    from mtp.vocab import check_vocab
 
     path = Path(path)
     if not is_export(path):

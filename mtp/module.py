@@ -9,7 +9,7 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
-from mtp.checkpoint import mtp_metadata
+from mtp.checkpoint import check_checkpoint_config, mtp_metadata
 from mtp.config import CompileConfig, ConfigError, LossConfig, ModelConfig, OptimConfig
 from mtp.loss import (
     MTPLossOutput,
@@ -212,17 +212,6 @@ def compile_blocks(model: MTPTransformer, mode: str = "default") -> None:
     `forward` directly, so those run eager."""
     for block in [*model.blocks, *model.heads]:
         block.compile(mode=mode)
-
-
-def check_checkpoint_config(checkpoint: dict, model_cfg: ModelConfig) -> None:
-    """Raise if a checkpoint was trained with another model config, naming each flag."""
-    saved_cfg = checkpoint.get("mtp", {}).get("model_config", {})
-    ours = dataclasses.asdict(model_cfg)
-    differ = [f"--model.{k} (checkpoint {saved_cfg[k]!r}, now {ours[k]!r})"
-              for k in ours if k in saved_cfg and saved_cfg[k] != ours[k]]
-    if differ:
-        raise ConfigError("the checkpoint was trained with another model config: "
-                         + ", ".join(differ))
 
 
 def _vocab_size(tokenizer_json: str) -> int:

@@ -99,7 +99,7 @@ class FSDPStrategy(ModelParallelStrategy):
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict:
         # The model's config is checked before the weights are loaded: a checkpoint of another
         # config would otherwise fail inside the state-dict loading, on a tensor shape.
-        from mtp.module import check_checkpoint_config
+        from mtp.checkpoint import check_checkpoint_config
 
         path = Path(checkpoint_path)
         if path.is_file():

@@ -140,7 +140,7 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         print("note: no --draft-ckpt, so the draft-model baseline is skipped", file=sys.stderr)
         decoders.remove("draft")
     model, tokenizer, draft = load(p, args, decoders, args.heads or [])
-    from mtp.checkpoint import eot_id
+    from mtp.vocab import eot_id
 
     k = model.cfg.n_future
     heads = args.heads or list(range(2, k + 1))
