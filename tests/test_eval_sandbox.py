@@ -18,7 +18,7 @@ import warnings
 from pathlib import Path
 
 import pytest
-from mtp.eval import sandbox
+from mtp.eval import isolation
 from mtp.eval.sandbox import ExecResult, Limits, detect_isolation, run_program
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the sandbox needs Linux")
@@ -340,20 +340,20 @@ def test_fallback_isolation(method):
 @pytest.mark.parametrize("how", ["missing", "refused"])
 def test_no_bwrap_falls_back_and_warns_once(monkeypatch, how):
     if how == "missing":
-        real_which = sandbox.shutil.which
-        monkeypatch.setattr(sandbox.shutil, "which",
+        real_which = isolation.shutil.which
+        monkeypatch.setattr(isolation.shutil, "which",
                             lambda name: None if name == "bwrap" else real_which(name))
     else:  # present, but fails to set up the sandbox (e.g. user namespaces disabled)
-        monkeypatch.setattr(sandbox, "_bwrap_command",
+        monkeypatch.setattr(isolation, "_bwrap_command",
                             lambda workdir, as_root, hide=(): ["bwrap", "--no-such-option", "--"])
-    monkeypatch.setattr(sandbox, "_detected", {})
-    monkeypatch.setattr(sandbox, "_warned", False)
+    monkeypatch.setattr(isolation, "_detected", {})
+    monkeypatch.setattr(isolation, "_warned", False)
     with pytest.warns(RuntimeWarning, match="bubblewrap is unavailable"):
         iso = detect_isolation()
     assert iso.method in ("unshare", "process")
     assert not iso.read_only_root
     assert ("bwrap not found" if how == "missing" else "no-such-option") in iso.note
-    monkeypatch.setattr(sandbox, "_detected", {})
+    monkeypatch.setattr(isolation, "_detected", {})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert detect_isolation().method == iso.method  # no second warning

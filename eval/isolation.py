@@ -1,0 +1,211 @@
+"""Which isolation a sample gets: bubblewrap, unshare or a bare process, found by trying each.
+
+Holds the :class:`Isolation` record, :func:`detect_isolation`, and the command lines that wrap a
+sandboxed interpreter: bubblewrap's (read-only root, masked directories, private ``/tmp``, new
+namespaces) and unshare's. The layers themselves are described in :mod:`mtp.eval.sandbox`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import warnings
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from mtp.eval.limits import _cgroups
+
+# Directories hidden from the sample (secrets, sockets, other users' files). Those that hold the
+# Python installation are bound back read-only.
+_MASKED_DIRS = ("/root", "/home", "/run", "/var/run", "/var/tmp", "/mnt", "/media", "/srv")
+_ENV = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "LANG": "C.UTF-8",
+    "LC_ALL": "C.UTF-8",
+    # Math libraries otherwise start one thread per core; threads count against RLIMIT_NPROC.
+    "OMP_NUM_THREADS": "1",
+    "OPENBLAS_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+}
+
+
+@dataclass(frozen=True)
+class Isolation:
+    """Which isolation holds for the samples of a run (recorded in ``summary.json``)."""
+
+    method: str
+    """``bwrap``, ``unshare`` or ``process``."""
+    read_only_root: bool
+    network_isolated: bool
+    pid_namespace: bool
+    private_tmp: bool
+    fresh_uid: bool
+    """Each sample runs as its own unprivileged uid (only when the harness runs as root)."""
+    process_limit: bool
+    """RLIMIT_NPROC bounds fork bombs: the kernel exempts root, so this needs a fresh uid, or a
+    fresh user namespace (its process count starts from zero) when the harness is not root."""
+    note: str = ""
+    memory_cgroup: str = ""
+    """``cgroup2`` or ``cgroup1``: each sample's processes share one memory limit in a cgroup of
+    their own; empty where no memory cgroup can be made (the per-process limit still holds)."""
+
+    def to_dict(self) -> dict:
+        """Return the fields as a JSON-ready dict."""
+        return asdict(self)
+
+
+_detected: dict[str, Isolation] = {}
+_warned = False
+
+
+def _sample_python() -> str:
+    """The base interpreter behind this one: samples need the standard library only, and a
+    virtual environment may live where the sandbox hides it (under /tmp, say, which becomes the
+    sample's private directory)."""
+    return str(Path(getattr(sys, "_base_executable", sys.executable)).resolve())
+
+
+def _python_dirs() -> list[str]:
+    """Directories the interpreter needs, to bind back when they sit under a masked directory."""
+    dirs = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
+    dirs.add(str(Path(sys.executable).resolve().parent.parent))
+    return sorted(d for d in dirs if d)
+
+
+def _is_under(path: str, parent: str) -> bool:
+    return path == parent or path.startswith(parent.rstrip("/") + "/")
+
+
+def _hideable(path: str, python_dirs: list[str]) -> bool:
+    """Whether a directory can be hidden from a sample: below the top level, and holding no
+    part of the Python installation (masking `/usr` would leave the interpreter without its
+    libraries)."""
+    return (os.path.isdir(path) and not os.path.islink(path) and path.count("/") >= 2
+            and not any(_is_under(d, path) for d in python_dirs))
+
+
+def _bwrap_command(workdir: str, as_root: bool, hide: Sequence[str] = ()) -> list[str]:
+    cmd = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
+    python_dirs = _python_dirs()
+    hidden = sorted({d for d in (os.path.realpath(h) for h in hide) if _hideable(d, python_dirs)})
+    # the outermost only: a directory inside one already hidden (or masked) is hidden with it
+    hidden = [d for d in hidden if not any(_is_under(d, o) and d != o
+                                           for o in [*_MASKED_DIRS, *hidden])]
+    for masked in [*_MASKED_DIRS, *hidden]:
+        if not os.path.isdir(masked) or os.path.islink(masked):
+            continue
+        cmd += ["--tmpfs", masked]
+        for d in python_dirs:
+            if _is_under(d, masked) and d != masked:
+                # bwrap would create the missing parents with mode 0700, closed to the sample uid.
+                parents = [str(p) for p in Path(d).parents if _is_under(str(p), masked)]
+                for parent in reversed(parents):
+                    if parent != masked:
+                        cmd += ["--perms", "0755", "--dir", parent]
+                cmd += ["--ro-bind", d, d]
+        cmd += ["--remount-ro", masked]
+    cmd += ["--bind", workdir, "/tmp", "--chdir", "/tmp", "--setenv", "HOME", "/tmp",
+            "--setenv", "TMPDIR", "/tmp"]
+    cmd += ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
+            "--unshare-cgroup-try", "--hostname", "sandbox", "--die-with-parent", "--new-session"]
+    if as_root:
+        # Enough to drop to the per-sample uid; no_new_privs stops setuid binaries regaining it.
+        cmd += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+    else:
+        cmd += ["--unshare-user"]
+    cmd += ["--clearenv"]
+    for key, value in _ENV.items():
+        cmd += ["--setenv", key, value]
+    return cmd + ["--"]
+
+
+def _unshare_command() -> list[str]:
+    cmd = ["unshare", "--pid", "--net", "--ipc", "--uts", "--fork", "--kill-child",
+           "--mount-proc"]
+    if os.geteuid() != 0:
+        cmd.append("--map-root-user")
+    return cmd + ["--"]
+
+
+def _python_readable_by_others() -> bool:
+    """Whether an unprivileged uid could run this interpreter (every directory world-searchable)."""
+    for d in _python_dirs() + [str(Path(sys.executable).resolve().parent)]:
+        path = Path(d)
+        for p in [path, *path.parents]:
+            try:
+                if not p.stat().st_mode & 0o001:
+                    return False
+            except OSError:
+                return False
+    return True
+
+
+def detect_isolation(requested: str = "auto") -> Isolation:
+    """Find the strongest isolation that works here, trying it for real once per process.
+
+    Args:
+        requested: ``auto`` (strongest available), or force ``bwrap``, ``unshare`` or ``process``.
+
+    Returns:
+        The isolation that the samples of this process will get.
+
+    Raises:
+        RuntimeError: If a forced method does not work here.
+    """
+    global _warned
+    if requested in _detected:
+        return _detected[requested]
+    as_root = os.geteuid() == 0
+    order = ["bwrap", "unshare", "process"] if requested == "auto" else [requested]
+    if requested not in ("auto", "bwrap", "unshare", "process"):
+        raise ValueError(f"unknown isolation {requested!r}; use auto, bwrap, unshare or process")
+    failures = []
+    for method in order:
+        ok, why = _probe(method, as_root)
+        if ok:
+            break
+        failures.append(f"{method}: {why}")
+    else:
+        raise RuntimeError(f"isolation {requested!r} does not work here: {'; '.join(failures)}")
+    fresh_uid = as_root and (method == "bwrap" or _python_readable_by_others())
+    nproc = fresh_uid or (not as_root and method != "process")
+    note = "; ".join(failures)
+    if method == "bwrap":
+        iso = Isolation("bwrap", True, True, True, True, fresh_uid, nproc, note)
+    elif method == "unshare":
+        iso = Isolation("unshare", False, True, True, False, fresh_uid, nproc, note)
+    else:
+        if as_root and not fresh_uid:
+            note += ("; samples run as root with no namespaces: a hostile sample can harm the "
+                     "host (install bubblewrap)")
+        iso = Isolation("process", False, False, False, False, fresh_uid, nproc, note.lstrip("; "))
+    if method != "bwrap" and requested == "auto" and not _warned:
+        _warned = True
+        warnings.warn(f"bubblewrap is unavailable ({note}); samples run with weaker isolation: "
+                      f"{iso}", RuntimeWarning, stacklevel=2)
+    iso = dataclasses.replace(iso, memory_cgroup=_cgroups().kind)
+    _detected[requested] = iso
+    return iso
+
+
+def _probe(method: str, as_root: bool) -> tuple[bool, str]:
+    if method == "process":
+        return True, ""
+    tool = "bwrap" if method == "bwrap" else "unshare"
+    if shutil.which(tool) is None:
+        return False, f"{tool} not found"
+    with tempfile.TemporaryDirectory(prefix="mtp-probe-") as d:
+        prefix = _bwrap_command(d, as_root) if method == "bwrap" else _unshare_command()
+        try:
+            proc = subprocess.run(prefix + [_sample_python(), "-I", "-c", "pass"],
+                                  stdin=subprocess.DEVNULL, capture_output=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return False, str(e)
+    if proc.returncode != 0:
+        return False, proc.stderr.decode(errors="replace").strip()[:300] or f"rc {proc.returncode}"
+    return True, ""

@@ -1,0 +1,79 @@
+"""The tokenizer: a byte-level BPE trained on a bounded sample of the training split, or loaded.
+
+`tokenizer_sample` draws the training text from the sources by weight; `train_tokenizer` trains
+on at most a given number of bytes of it; `load_tokenizer` reads a `tokenizer.json`, and
+`_check_tokenizer` checks a given one against the model's vocabulary and end-of-text token.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from mtp.checkpoint import EOT_TOKEN
+from mtp.config import InputError, MissingInput
+from mtp.corpus import SourceSpec, _is_val, _Reader
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int, max_bytes: int,
+                    eot_token: str = EOT_TOKEN) -> Tokenizer:
+    """A byte-level BPE with the end-of-text token `eot_token` (id 0), trained on at most
+    `max_bytes`.
+
+    `texts` may be a stream: it is read only up to `max_bytes`.
+    """
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[eot_token], show_progress=True,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+
+    def sample() -> Iterator[str]:
+        seen = 0
+        for text in texts:
+            if seen >= max_bytes:
+                return
+            seen += len(text)
+            yield text
+
+    tok.train_from_iterator(sample(), trainer=trainer)
+    return tok
+
+
+def tokenizer_sample(specs: list[SourceSpec], max_bytes: int) -> Iterator[str]:
+    """Training documents for the tokenizer: source j's first max_bytes * w_j / sum(w)."""
+    total = sum(spec.weight for spec in specs)
+    for spec in specs:
+        budget, seen = max_bytes * spec.weight / total, 0
+        for name, text in _Reader(spec):
+            if seen >= budget:
+                break
+            if not _is_val(name, spec.val_fraction):
+                seen += len(text)
+                yield text
+
+
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    """A `tokenizer.json`, with a message naming the file when it is missing or malformed."""
+    path = Path(path)
+    if not path.is_file():
+        raise MissingInput(f"--data.tokenizer {path} does not exist")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as err:  # tokenizers raises a bare Exception on bad JSON
+        raise InputError(f"--data.tokenizer {path} is not a valid tokenizer.json: {err}") from err
+
+
+def _check_tokenizer(tok: Tokenizer, vocab_size: int, source: str, eot_token: str) -> None:
+    if tok.token_to_id(eot_token) is None:
+        raise InputError(f"--data.tokenizer {source} has no end-of-text token {eot_token!r} "
+                         f"(--model.eot_token)")
+    # fewer tokens than embedding rows is fine (pretrained models pad their embeddings)
+    if tok.get_vocab_size() > vocab_size:
+        raise InputError(f"--data.tokenizer {source} has a vocabulary of {tok.get_vocab_size()} "
+                         f"tokens but --model.vocab_size is {vocab_size}")

@@ -1,0 +1,33 @@
+"""The tokenizer: training a byte-level BPE, and a given tokenizer checked against the model."""
+
+import pytest
+from data_helpers import datamodule
+
+from mtp.bpe import train_tokenizer
+from mtp.checkpoint import EOT_TOKEN
+from mtp.config import DataConfig
+from mtp.data import MTPDataModule
+
+
+def test_tokenizer_round_trips_and_has_end_of_text():
+    text = "def add(a, b):\n    return a + b\n" * 20
+    tok = train_tokenizer([text], 300, 10_000)
+    assert tok.token_to_id(EOT_TOKEN) == 0
+    assert tok.decode(tok.encode(text).ids) == text
+    assert tok.get_vocab_size() <= 300
+
+
+def test_given_tokenizer_must_fit_model_vocabulary(tiny_corpus, tmp_path):
+    dm = datamodule(tiny_corpus, tmp_path)
+    path = tmp_path / "tok.json"
+    dm.tokenizer.save(str(path))
+    cfg = DataConfig(source=str(tiny_corpus), cache_dir=str(tmp_path / "cache"),
+                     tokenizer=str(path))
+    n = dm.tokenizer.get_vocab_size()
+    with pytest.raises(ValueError, match="--model.vocab_size"):
+        MTPDataModule(cfg, vocab_size=n - 1, n_future=2)._prepare()
+    # fewer tokens than embedding rows is fine: pretrained models pad their embeddings
+    MTPDataModule(cfg, vocab_size=n + 64, n_future=2)._prepare()
+    with pytest.raises(FileNotFoundError, match="--data.tokenizer"):
+        MTPDataModule(DataConfig(tokenizer=str(tmp_path / "missing.json")), vocab_size=300,
+                      n_future=2)._prepare()
