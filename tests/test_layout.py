@@ -100,3 +100,34 @@ def test_lower_layers_do_not_import_lightning(package):
             names |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
             banned = {n for n in names if n.split(".")[0] in ("lightning", "pytorch_lightning")}
             assert not banned, (name, banned)
+
+
+def test_no_module_over_600_lines():
+    files = [*_modules().values(), *sorted((ROOT / "experiments").glob("*.py")),
+             *sorted((ROOT / "scripts").glob("*.py")), *sorted((ROOT / "tests").glob("*.py"))]
+    long = {str(p.relative_to(ROOT)): n for p in files
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert len(files) > 60 and long == {}
+
+
+def test_the_package_exports_its_public_contract_lazily():
+    """`import mtp` names the contract of DESIGN.md and loads none of it until used."""
+    import subprocess
+    import sys
+
+    code = ("import sys, mtp\n"
+            "assert 'torch' not in sys.modules\n"
+            "assert mtp.MTPTransformer.__module__ == 'mtp.model'\n"
+            "assert mtp.generate.__module__ == 'mtp.decoding'\n"
+            "print(sorted(mtp.__all__))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    names = ast.literal_eval(proc.stdout.strip())
+    for name in ("ModelConfig", "MTPTransformer", "linear_cross_entropy", "generate",
+                 "pass_at_k", "naive_mtp_loss", "sequential_mtp_loss", "mtp_inputs_targets"):
+        assert name in names
+    import mtp
+
+    for name in mtp.__all__:
+        assert getattr(mtp, name) is not None
+    assert "Multi-token" in mtp.__doc__ or "multi-token" in mtp.__doc__
