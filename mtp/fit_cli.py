@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -32,7 +32,7 @@ from mtp.config import (
 )
 from mtp.data import MTPDataModule, build_datamodule, unigram_entropy
 from mtp.fault import AtomicCheckpointIO, Interruptible
-from mtp.module import MTPModule
+from mtp.module import MTPModule, TokenizerInCheckpoint
 from mtp.vocab import eot_id
 
 #: Trainer settings of the CPU default run (configs/cpu.yaml spells out the same values).
@@ -96,17 +96,13 @@ class MTPCLI(LightningCLI):
     its trainer saves checkpoints atomically and stops cleanly on SIGINT / SIGTERM
     (`mtp.fault`)."""
 
-    def __init__(self, *args, argv: list[str], **kwargs) -> None:
+    def __init__(self, *args, argv: list[str], ckpt_path: str | None, **kwargs) -> None:
         self.interrupt = Interruptible(argv)
+        self.ckpt_path = ckpt_path
         super().__init__(*args, **kwargs)
 
     def add_core_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         add_run_arguments(parser)
-
-    def _parse_ckpt_path(self) -> None:
-        """The YAML and flags define a run; LightningCLI would read the checkpoint's
-        hyperparameters back as `--model.*` arguments, which are not ours (the checkpoint's
-        config is checked against the run's by `MTPModule.on_load_checkpoint` instead)."""
 
     def instantiate_classes(self) -> None:
         self.config_init = self.parser.instantiate_classes(self.config)
@@ -125,22 +121,26 @@ class MTPCLI(LightningCLI):
             _check_pretrained_tokenizer(Path(data.tokenizer), model)
         run = RunConfig(model=model, data=data, optim=c.optim, loss=c.loss,
                         compile=c.compile)  # cross-checks
-        if c.get("ckpt_path"):
-            _check_resume_checkpoint(Path(c.ckpt_path), run.model)
+        if self.ckpt_path:
+            _check_resume_checkpoint(Path(self.ckpt_path), run.model)
         self.run_config = run
-        self.trainer_defaults = {**self.trainer_defaults, "callbacks": [*default_callbacks(
-            run.model.n_future, checkpoints=c.trainer.enable_checkpointing is not False,
-            logger=c.trainer.logger not in (False, None)), self.interrupt]}
-        if c.trainer.strategy == "fsdp":  # FSDP2 on CPU and GPU alike (mtp.parallel)
-            from mtp.parallel import FSDPStrategy
-
-            c.trainer.strategy = FSDPStrategy()
         self.model = MTPModule(run.model, run.optim, run.loss, run.compile)
         self.datamodule = build_datamodule(run.data, vocab_size=run.model.vocab_size,
                                            n_future=run.model.n_future,
                                            eot_token=run.model.eot_token)
+        self.trainer_defaults = {**self.trainer_defaults, "callbacks": [*default_callbacks(
+            run.model.n_future, checkpoints=c.trainer.enable_checkpointing is not False,
+            logger=c.trainer.logger not in (False, None)), TokenizerInCheckpoint(self.datamodule),
+            self.interrupt]}
+        if c.trainer.strategy == "fsdp":  # FSDP2 on CPU and GPU alike (mtp.parallel)
+            from mtp.parallel import FSDPStrategy
+
+            c.trainer.strategy = FSDPStrategy()
         self.trainer = self.instantiate_trainer()
         self.trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        # The resume goes to the trainer here, not through LightningCLI's `--ckpt_path`, which
+        # would load the whole checkpoint to read its hyperparameters back as arguments.
+        self.trainer.ckpt_path = self.ckpt_path
 
     def after_fit(self) -> None:
         from mtp.parallel import full_model
@@ -208,9 +208,28 @@ def report_fit(trainer, module: MTPModule, dm: MTPDataModule, model) -> None:
         print(f"TensorBoard: tensorboard --logdir {Path(trainer.logger.log_dir).parent}")
 
 
+def _take_ckpt_path(argv: list[str]) -> tuple[list[str], str | None]:
+    """`argv` without its `--ckpt_path X` (or `--ckpt_path=X`), and X: `MTPCLI` checks the
+    checkpoint before any data is read and hands it to the trainer itself."""
+    rest, path, i = [], None, 0
+    while i < len(argv):
+        if argv[i] == "--ckpt_path":
+            if i + 1 >= len(argv):
+                raise ConfigError("--ckpt_path needs a checkpoint file")
+            path, i = argv[i + 1], i + 2
+            continue
+        if argv[i].startswith("--ckpt_path="):
+            path = argv[i].split("=", 1)[1]
+        else:
+            rest.append(argv[i])
+        i += 1
+    return rest, path or None
+
+
 def _check_config_files(argv: list[str]) -> None:
     """Each `--config FILE` is a readable YAML mapping, or an error names the file and line
-    (LightningCLI's own message shows neither)."""
+    (LightningCLI's own message shows neither); a resume is a command-line flag, not a
+    setting of a config file."""
     for i, arg in enumerate(argv):
         value = None
         if arg in ("-c", "--config") and i + 1 < len(argv):
@@ -218,18 +237,27 @@ def _check_config_files(argv: list[str]) -> None:
         elif arg.startswith("--config="):
             value = arg.split("=", 1)[1]
         if value is not None and (Path(value).is_file() or value.endswith((".yaml", ".yml"))):
-            read_yaml_mapping(value, f"--config {value}")
+            data = read_yaml_mapping(value, f"--config {value}")
+            if "ckpt_path" in data or any(isinstance(data.get(cmd), dict) and "ckpt_path"
+                                          in data[cmd] for cmd in ("fit", "validate")):
+                raise ConfigError(f"--config {value}: ckpt_path belongs on the command line "
+                                  "(--ckpt_path FILE), not in a config file")
 
 
 def fit_main(argv: list[str]) -> int:
     """`mtp fit|validate ...`: LightningCLI with mtp's config groups."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     _check_config_files(argv)
+    lightning_argv, ckpt_path = _take_ckpt_path(argv)
+    # the arguments are given on purpose (without --ckpt_path), also when they came from the
+    # command line: LightningCLI's warning about args beside sys.argv does not apply
+    warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
     cli = MTPCLI(
         argv=argv,
+        ckpt_path=ckpt_path,
         model_class=MTPModule,
         datamodule_class=MTPDataModule,
-        args=None if argv == sys.argv[1:] else argv,
+        args=lightning_argv,
         seed_everything_default=1234,
         trainer_defaults=TRAINER_DEFAULTS,
         auto_configure_optimizers=False,

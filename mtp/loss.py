@@ -203,6 +203,25 @@ def _gathered_head(head: torch.nn.Module):
         head.reshard()
 
 
+def mtp_loss(
+    model: MTPTransformer,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    head_weights: list[float] | None = None,
+    *,
+    strategy: str = "sequential",
+    with_accuracy: bool = False,
+) -> MTPLossOutput:
+    """The MTP loss by `--loss.strategy`: `naive_mtp_loss` or `sequential_mtp_loss` (without
+    gradients the latter computes metrics only, chunked: `head_metrics`)."""
+    if strategy == "naive":
+        return naive_mtp_loss(model, inputs, targets, head_weights)
+    if strategy == "sequential":
+        return sequential_mtp_loss(model, inputs, targets, head_weights,
+                                   with_accuracy=with_accuracy)
+    raise ValueError(f"--loss.strategy must be naive or sequential (got {strategy!r})")
+
+
 def sequential_mtp_loss(
     model: MTPTransformer,
     inputs: torch.Tensor,

@@ -168,7 +168,8 @@ class Block(nn.Module):
 
 
 class LinearHead(nn.Module):
-    """A d x d residual map: the cheapest head, one matrix per future offset."""
+    """A d x d linear map of the trunk output (no residual, no norm of its own; the shared
+    final norm follows): the cheapest head, one matrix per future offset."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()

@@ -9,15 +9,9 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
-from mtp.checkpoint import check_checkpoint_config, mtp_metadata
+from mtp.checkpoint import check_checkpoint_config
 from mtp.config import CompileConfig, ConfigError, LossConfig, ModelConfig, OptimConfig
-from mtp.loss import (
-    MTPLossOutput,
-    head_metrics,
-    mtp_inputs_targets,
-    naive_mtp_loss,
-    sequential_mtp_loss,
-)
+from mtp.loss import MTPLossOutput, mtp_inputs_targets, mtp_loss
 from mtp.model import MTPTransformer, build_model
 
 
@@ -48,13 +42,8 @@ class MTPModule(L.LightningModule):
         inputs, targets = mtp_inputs_targets(window, self.model_cfg.n_future)
         if self.loss_cfg.targets == "self":
             targets = self_targets(self.model, window)
-        weights = self.loss_cfg.head_weights
-        if self.loss_cfg.strategy == "naive":
-            return naive_mtp_loss(self.model, inputs, targets, weights)
-        if not torch.is_grad_enabled():
-            return head_metrics(self.model, inputs, targets, weights)
-        return sequential_mtp_loss(self.model, inputs, targets, weights,
-                                   with_accuracy=with_accuracy)
+        return mtp_loss(self.model, inputs, targets, self.loss_cfg.head_weights,
+                        strategy=self.loss_cfg.strategy, with_accuracy=with_accuracy)
 
     def _log_heads(self, stage: str, out: MTPLossOutput, **kw) -> None:
         metrics = {f"{stage}/loss_head{i + 1}": v for i, v in enumerate(out.head_losses)}
@@ -152,9 +141,9 @@ class MTPModule(L.LightningModule):
         rank_zero_info("resumed with other optimiser settings, now applied: " + ", ".join(
             f"--optim.{k} (checkpoint {a!r}, now {b!r})" for k, (a, b) in changed.items()))
 
-    # -- checkpoints carry what inference needs ---------------------------------------------
+    # -- checkpoints carry what inference needs (the tokenizer: `TokenizerInCheckpoint`) -----
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["mtp"] = mtp_metadata(self.model_cfg, self.trainer.datamodule.tokenizer)
+        checkpoint.setdefault("mtp", {})["model_config"] = dataclasses.asdict(self.model_cfg)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         check_checkpoint_config(checkpoint, self.model_cfg)
@@ -167,14 +156,27 @@ class MTPModule(L.LightningModule):
                              f"{saved['train']}")
         self._resumed_optim = {k: (saved[k], v) for k, v in ours.items()
                                if k in saved and saved[k] != v and k != "train"}
-        dm = self.trainer.datamodule if self._trainer is not None else None
-        saved = checkpoint.get("mtp", {}).get("tokenizer")
-        if dm is not None and dm.tokenizer is not None and saved is not None \
-                and saved != dm.tokenizer.to_str():
+
+
+class TokenizerInCheckpoint(L.Callback):
+    """Writes the tokenizer of `datamodule` into every checkpoint, beside the model config that
+    `MTPModule` writes, so that a checkpoint alone can generate (`mtp.checkpoint`); a resume
+    from a checkpoint made with another tokenizer is refused. `mtp fit` adds it; the module
+    itself knows no tokenizer."""
+
+    def __init__(self, datamodule) -> None:
+        self.datamodule = datamodule
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        checkpoint.setdefault("mtp", {})["tokenizer"] = self.datamodule.tokenizer.to_str()
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        ours, saved = self.datamodule.tokenizer, checkpoint.get("mtp", {}).get("tokenizer")
+        if ours is not None and saved is not None and saved != ours.to_str():
             raise ConfigError(
                 "the checkpoint was trained with a different tokenizer than --data gives now "
                 f"(checkpoint vocabulary: {_vocab_size(saved)}, data tokenizer: "
-                f"{dm.tokenizer.get_vocab_size()}); resume with the same --data.source and "
+                f"{ours.get_vocab_size()}); resume with the same --data.source and "
                 "--data.tokenizer"
             )
 

@@ -18,7 +18,7 @@ from mtp.cli import main
 from mtp.config import DataConfig, LossConfig, ModelConfig, OptimConfig
 from mtp.data import MTPDataModule
 from mtp.fit_cli import add_run_arguments, run_config
-from mtp.module import MTPModule, lr_factor
+from mtp.module import MTPModule, TokenizerInCheckpoint, lr_factor
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ModelConfig(vocab_size=300, d_model=32, n_layers=1, n_heads=2, n_future=2, max_seq_len=32)
@@ -45,7 +45,8 @@ def _fit(corpus, tmp_path, max_steps, *, ckpt_path=None, save_to=None, accumulat
     dm = MTPDataModule(data, vocab_size=model_cfg.vocab_size, n_future=model_cfg.n_future)
     rec = Record()
     trainer = L.Trainer(max_steps=max_steps, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[rec],
+                        enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[rec, TokenizerInCheckpoint(dm)],
                         use_distributed_sampler=False, limit_val_batches=0,
                         accumulate_grad_batches=accumulate, gradient_clip_val=1.0)
     trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path)
@@ -350,6 +351,7 @@ def test_stored_fit_help_is_what_lightning_cli_prints():
 @pytest.mark.parametrize("text, why", [
     ("model: [1, 2\n", "not valid YAML: line 2, column 1: expected ',' or ']'"),
     ("- model\n- data\n", "must be a YAML mapping of settings (it holds a list)"),
+    ("ckpt_path: last.ckpt\n", "ckpt_path belongs on the command line (--ckpt_path FILE)"),
 ])
 def test_a_malformed_config_file_is_named_with_its_line(tmp_path, capsys, text, why):
     path = tmp_path / "run.yaml"
@@ -357,3 +359,13 @@ def test_a_malformed_config_file_is_named_with_its_line(tmp_path, capsys, text, 
     assert main(["fit", "--config", str(path)]) == 2
     err = capsys.readouterr().err
     assert f"--config {path}: {why}" in err and "Traceback" not in err
+
+
+def test_mtp_cli_overrides_no_private_lightning_cli_method():
+    from lightning.pytorch.cli import LightningCLI
+
+    from mtp.fit_cli import MTPCLI
+
+    private = [n for n in vars(MTPCLI) if n.startswith("_") and not n.startswith("__")
+               and hasattr(LightningCLI, n)]
+    assert private == []
