@@ -91,6 +91,14 @@ def _triton_is_interpreted() -> bool:
     return isinstance(_linear_cross_entropy_fwd_kernel, InterpretedFunction)
 
 
+def _launch_options(cfg: TritonConfig, dtype: torch.dtype) -> dict:
+    """The compile-time constants and launch settings every kernel takes."""
+    tl_acc, precision = _triton_dtypes(dtype)
+    return dict(BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d, GROUP=cfg.group,
+                ACC_DTYPE=tl_acc, INPUT_PRECISION=precision, num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages)
+
+
 def _triton_forward(
     hidden: Tensor, weight: Tensor, targets: Tensor, ignore_index: int, cfg: TritonConfig
 ) -> tuple[Tensor, Tensor]:
@@ -98,7 +106,6 @@ def _triton_forward(
     n, d = hidden.shape
     vocab = weight.shape[0]
     acc_dtype = torch.promote_types(hidden.dtype, torch.float32)
-    tl_acc, precision = _triton_dtypes(hidden.dtype)
     n_blocks = triton.cdiv(n, cfg.block_n)
     v_tiles = triton.cdiv(vocab, cfg.block_v)
     # Few token blocks (N = 8192 is 64 blocks of 128 on a 132-SM H100) would leave SMs idle, so the
@@ -123,14 +130,7 @@ def _triton_forward(
         ignore_index,
         splits,
         tiles_per_split,
-        BLOCK_N=cfg.block_n,
-        BLOCK_V=cfg.block_v,
-        BLOCK_D=cfg.block_d,
-        GROUP=cfg.group,
-        ACC_DTYPE=tl_acc,
-        INPUT_PRECISION=precision,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        **_launch_options(cfg, hidden.dtype),
     )
     lse = torch.logsumexp(lse_parts, dim=0) if splits > 1 else lse_parts[0]
     target_logit = target_parts.sum(dim=0)
@@ -155,7 +155,6 @@ def _triton_backward(
     n, d = hidden.shape
     vocab = weight.shape[0]
     acc_dtype = torch.promote_types(hidden.dtype, torch.float32)
-    tl_acc, precision = _triton_dtypes(hidden.dtype)
     dhidden = torch.empty_like(hidden) if need_dhidden else None
     dweight = dweight_out
     if dweight is None and need_dweight:
@@ -165,16 +164,7 @@ def _triton_backward(
     # its matmul backward. Every sum (over V for dhidden, over tokens and chunks for dweight) is
     # accumulated in ACC_DTYPE.
     dlogits = torch.empty(min(chunk, n), vocab, dtype=hidden.dtype, device=hidden.device)
-    launch = dict(
-        BLOCK_N=cfg.block_n,
-        BLOCK_V=cfg.block_v,
-        BLOCK_D=cfg.block_d,
-        GROUP=cfg.group,
-        ACC_DTYPE=tl_acc,
-        INPUT_PRECISION=precision,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
+    launch = _launch_options(cfg, hidden.dtype)
     for start in range(0, n, chunk):
         end = min(start + chunk, n)
         c = end - start

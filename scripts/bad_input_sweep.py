@@ -50,18 +50,13 @@ class Case:
 def fixtures(root: Path) -> dict[str, str]:
     """Checkpoints and files the cases point at."""
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from mtp.checkpoint import EOT_TOKEN, save_checkpoint
+    from mtp.bpe import train_tokenizer
+    from mtp.checkpoint import save_checkpoint
     from mtp.config import ModelConfig
     from mtp.model import MTPTransformer
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(["def add(a, b):\n    return a + b\n"] * 20, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=[EOT_TOKEN],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = train_tokenizer(["def add(a, b):\n    return a + b\n"] * 20, 300, 10**6)
     paths = {}
     for name, k in (("K4", 4), ("K1", 1)):
         torch.manual_seed(k)

@@ -118,18 +118,13 @@ def placeholders(tmp_path_factory) -> dict[str, str]:
 
     import torch
     from mtp.eval.data import load_benchmark
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from mtp.checkpoint import EOT_TOKEN, save_checkpoint
+    from mtp.bpe import train_tokenizer
+    from mtp.checkpoint import save_checkpoint
     from mtp.model import MTPTransformer
 
     d = tmp_path_factory.mktemp("readme")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(["def fib(n):\n    return n\n"] * 20, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=[EOT_TOKEN],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = train_tokenizer(["def fib(n):\n    return n\n"] * 20, 300, 10**6)
     out = {}
     for name, k in (("CKPT", 4), ("SMALL_K1_CKPT", 1)):
         torch.manual_seed(k)
