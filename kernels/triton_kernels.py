@@ -42,6 +42,30 @@ if HAS_TRITON:
         return pid_m, pid_n
 
     @triton.jit
+    def _load_tile(ptr, rows, cols, stride, mask_rows, mask_cols):
+        """The [rows, cols] tile of a row-major matrix, zero outside the masks. Row offsets are
+        widened to int64 before the stride multiply: V x d reaches 2^31 elements at V = 256k,
+        d = 8192, and chunk x V at 16k x 128k."""
+        return tl.load(ptr + rows[:, None].to(tl.int64) * stride + cols[None, :],
+                       mask=mask_rows[:, None] & mask_cols[None, :], other=0.0)
+
+    @triton.jit
+    def _logits_tile(hidden_ptr, weight_ptr, offs_n, offs_v, mask_n, mask_v, D, stride_h,
+                     stride_w, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+                     BLOCK_D: tl.constexpr, ACC_DTYPE: tl.constexpr,
+                     INPUT_PRECISION: tl.constexpr):
+        """hidden[offs_n] @ weight[offs_v].T, accumulated over d in ACC_DTYPE."""
+        logits = tl.zeros((BLOCK_N, BLOCK_V), dtype=ACC_DTYPE)
+        for d0 in range(0, D, BLOCK_D):
+            offs_d = d0 + tl.arange(0, BLOCK_D)
+            mask_d = offs_d < D
+            h = _load_tile(hidden_ptr, offs_n, offs_d, stride_h, mask_n, mask_d)
+            w = _load_tile(weight_ptr, offs_v, offs_d, stride_w, mask_v, mask_d)
+            logits = tl.dot(h, tl.trans(w), logits, input_precision=INPUT_PRECISION,
+                            out_dtype=ACC_DTYPE)
+        return logits
+
+    @triton.jit
     def _linear_cross_entropy_fwd_kernel(
         hidden_ptr,  # (N, d)
         weight_ptr,  # (V, d)
@@ -63,8 +87,7 @@ if HAS_TRITON:
         ACC_DTYPE: tl.constexpr,
         INPUT_PRECISION: tl.constexpr,
     ):
-        # Row offsets are widened to int64 before the stride multiply: V x d reaches 2^31 elements
-        # at V = 256k, d = 8192, and chunk x V at 16k x 128k (the same in every kernel below).
+        # every 2-D load and store widens row offsets to int64 (see `_load_tile`)
         pid_n, split = _grouped_program_id(tl.cdiv(N, BLOCK_N), n_splits, GROUP)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
@@ -78,23 +101,9 @@ if HAS_TRITON:
         for v0 in range(v_begin, v_end, BLOCK_V):
             offs_v = v0 + tl.arange(0, BLOCK_V)
             mask_v = offs_v < v_end
-            logits = tl.zeros((BLOCK_N, BLOCK_V), dtype=ACC_DTYPE)
-            for d0 in range(0, D, BLOCK_D):
-                offs_d = d0 + tl.arange(0, BLOCK_D)
-                mask_d = offs_d < D
-                h = tl.load(
-                    hidden_ptr + offs_n[:, None].to(tl.int64) * stride_h + offs_d[None, :],
-                    mask=mask_n[:, None] & mask_d[None, :],
-                    other=0.0,
-                )
-                w = tl.load(
-                    weight_ptr + offs_v[:, None].to(tl.int64) * stride_w + offs_d[None, :],
-                    mask=mask_v[:, None] & mask_d[None, :],
-                    other=0.0,
-                )
-                logits = tl.dot(
-                    h, tl.trans(w), logits, input_precision=INPUT_PRECISION, out_dtype=ACC_DTYPE
-                )
+            logits = _logits_tile(hidden_ptr, weight_ptr, offs_n, offs_v, mask_n, mask_v, D,
+                                  stride_h, stride_w, BLOCK_N, BLOCK_V, BLOCK_D, ACC_DTYPE,
+                                  INPUT_PRECISION)
             logits = tl.where(mask_v[None, :], logits, float("-inf"))
             # Online log-sum-exp: rescale the running sum to the new running max.
             new_max = tl.maximum(row_max, tl.max(logits, axis=1))
@@ -135,23 +144,8 @@ if HAS_TRITON:
         offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
         mask_n = offs_n < C
         mask_v = offs_v < V
-        logits = tl.zeros((BLOCK_N, BLOCK_V), dtype=ACC_DTYPE)
-        for d0 in range(0, D, BLOCK_D):
-            offs_d = d0 + tl.arange(0, BLOCK_D)
-            mask_d = offs_d < D
-            h = tl.load(
-                hidden_ptr + offs_n[:, None].to(tl.int64) * stride_h + offs_d[None, :],
-                mask=mask_n[:, None] & mask_d[None, :],
-                other=0.0,
-            )
-            w = tl.load(
-                weight_ptr + offs_v[:, None].to(tl.int64) * stride_w + offs_d[None, :],
-                mask=mask_v[:, None] & mask_d[None, :],
-                other=0.0,
-            )
-            logits = tl.dot(
-                h, tl.trans(w), logits, input_precision=INPUT_PRECISION, out_dtype=ACC_DTYPE
-            )
+        logits = _logits_tile(hidden_ptr, weight_ptr, offs_n, offs_v, mask_n, mask_v, D, stride_h,
+                              stride_w, BLOCK_N, BLOCK_V, BLOCK_D, ACC_DTYPE, INPUT_PRECISION)
         tgt = tl.load(targets_ptr + offs_n, mask=mask_n, other=-1)
         lse = tl.load(lse_ptr + offs_n, mask=mask_n, other=0.0)
         scale = tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)
@@ -191,16 +185,8 @@ if HAS_TRITON:
         for v0 in range(0, V, BLOCK_V):
             offs_v = v0 + tl.arange(0, BLOCK_V)
             mask_v = offs_v < V
-            g = tl.load(
-                dlogits_ptr + offs_n[:, None].to(tl.int64) * stride_g + offs_v[None, :],
-                mask=mask_n[:, None] & mask_v[None, :],
-                other=0.0,
-            )
-            w = tl.load(
-                weight_ptr + offs_v[:, None].to(tl.int64) * stride_w + offs_d[None, :],
-                mask=mask_v[:, None] & mask_d[None, :],
-                other=0.0,
-            )
+            g = _load_tile(dlogits_ptr, offs_n, offs_v, stride_g, mask_n, mask_v)
+            w = _load_tile(weight_ptr, offs_v, offs_d, stride_w, mask_v, mask_d)
             acc = tl.dot(g, w, acc, input_precision=INPUT_PRECISION, out_dtype=ACC_DTYPE)
         tl.store(
             dhidden_ptr + offs_n[:, None].to(tl.int64) * stride_dh + offs_d[None, :],
@@ -235,16 +221,8 @@ if HAS_TRITON:
         for n0 in range(0, C, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < C
-            g = tl.load(
-                dlogits_ptr + offs_n[:, None].to(tl.int64) * stride_g + offs_v[None, :],
-                mask=mask_n[:, None] & mask_v[None, :],
-                other=0.0,
-            )
-            h = tl.load(
-                hidden_ptr + offs_n[:, None].to(tl.int64) * stride_h + offs_d[None, :],
-                mask=mask_n[:, None] & mask_d[None, :],
-                other=0.0,
-            )
+            g = _load_tile(dlogits_ptr, offs_n, offs_v, stride_g, mask_n, mask_v)
+            h = _load_tile(hidden_ptr, offs_n, offs_d, stride_h, mask_n, mask_d)
             acc = tl.dot(tl.trans(g), h, acc, input_precision=INPUT_PRECISION, out_dtype=ACC_DTYPE)
         # Each program owns its [BLOCK_V, BLOCK_D] tile, so the cross-chunk sum needs no atomics.
         dw_ptrs = dweight_ptr + offs_v[:, None].to(tl.int64) * stride_dw + offs_d[None, :]
