@@ -209,7 +209,7 @@ def run(case: Case, root: Path) -> dict:
     out = proc.stdout + proc.stderr
     lines = [line for line in out.splitlines() if line.strip()]
     shown = next((line for line in reversed(lines) if case.expect in line), lines[-1] if lines
-                 else "")
+                 else "").replace(str(root) + "/", "")
     good = (proc.returncode == case.status and "Traceback" not in out and case.expect in out)
     verdict = ("handled" if case.status == 0 else "clear") if good else "BAD"
     return {"status": proc.returncode, "last": shown.strip()[:160], "verdict": verdict}
