@@ -169,11 +169,10 @@ def parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser
 def main(argv: list[str] | None = None) -> int:
     """`mtp bench <what> ...`: parse, then run `mtp.bench.<what>.run(parser, args)`."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] in (["_loss_worker"], ["_tokenize_run"]):  # internal: one run, fresh process
-        from mtp.bench import loss, tokenize
-
-        worker = loss.worker if argv[0] == "_loss_worker" else tokenize.worker
-        return worker(argv[1])
+    workers = {"_loss_worker": "loss", "_tokenize_run": "tokenize"}
+    if argv[:1] and argv[0] in workers:  # internal: one run in a fresh process, which imports
+        # its own benchmark only (the tokenize run's peak memory must not include torch's)
+        return importlib.import_module(f"mtp.bench.{workers[argv[0]]}").worker(argv[1])
     top, subs = parser()
     args = top.parse_args(argv)
     args.command = shlex.join(["mtp", "bench", *argv])
