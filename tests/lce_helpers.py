@@ -94,3 +94,14 @@ def check_against_reference(run, hidden, weight, targets, reduction, rtol_loss, 
     assert rel_err(weight.grad, ref_w.grad) <= rtol_grad
     ignored = targets == IGNORE
     assert torch.all(hidden.grad[ignored] == 0), "ignored rows must get no gradient"
+
+
+def call_with_bad_input(fn, override: dict) -> None:
+    """`fn(hidden, weight, targets, **kwargs)` on valid small inputs with `override` replacing
+    an input or adding a keyword argument (a bad-input case)."""
+    args = dict(hidden=torch.zeros(37, 31), weight=torch.zeros(123, 31),
+                targets=torch.zeros(37, dtype=torch.long))
+    kwargs = {}
+    for key, value in override.items():
+        (args if key in args else kwargs)[key] = value
+    fn(args["hidden"], args["weight"], args["targets"], **kwargs)

@@ -20,6 +20,7 @@ from lce_helpers import (  # noqa: E402
     IGNORE,
     IMPLS,
     SHAPES,
+    call_with_bad_input,
     make_inputs,
     reference_f64,
     rel_err,
@@ -167,16 +168,8 @@ BAD_INPUTS = [
 @pytest.mark.parametrize("case", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
 def test_bad_inputs_raise_value_error_naming_the_argument(case):
     _, override, fragment = case
-    args = dict(
-        hidden=torch.zeros(37, 31),
-        weight=torch.zeros(123, 31),
-        targets=torch.zeros(37, dtype=torch.long),
-    )
-    kwargs = {}
-    for key, value in override.items():
-        (args if key in args else kwargs)[key] = value
     with pytest.raises(ValueError, match=fragment):
-        linear_cross_entropy(args["hidden"], args["weight"], args["targets"], **kwargs)
+        call_with_bad_input(linear_cross_entropy, override)
 
 
 @pytest.mark.parametrize("chunk_size", [0, -4])

@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
 from lce_helpers import (  # noqa: E402
     RTOL,
     SHAPES,
+    call_with_bad_input,
     check_against_reference,
     interpreted,
     make_inputs,
@@ -89,16 +90,8 @@ ENTRY_BAD_INPUTS = [
 @pytest.mark.parametrize(("override", "fragment"), ENTRY_BAD_INPUTS)
 def test_triton_entry_validates_its_inputs(override, fragment):
     """linear_cross_entropy_triton is public too: it checks its inputs as the dispatcher does."""
-    args = dict(
-        hidden=torch.zeros(37, 31),
-        weight=torch.zeros(123, 31),
-        targets=torch.zeros(37, dtype=torch.long),
-    )
-    kwargs = {}
-    for key, value in override.items():
-        (args if key in args else kwargs)[key] = value
     with pytest.raises(ValueError, match=fragment):
-        linear_cross_entropy_triton(args["hidden"], args["weight"], args["targets"], **kwargs)
+        call_with_bad_input(linear_cross_entropy_triton, override)
 
 
 # ----------------------------------------------------------------------------------------------
