@@ -80,11 +80,15 @@ class ModelConfig:
     """Key/value heads for grouped-query attention (None: same as `n_heads`)."""
     n_future: int = 4
     """K: number of output heads; head i (1-based) predicts the token i positions ahead."""
-    head_type: Literal["block", "linear"] = "block"
-    """Output head: one transformer block each (paper default) or one linear d x d map each."""
+    head_type: Literal["block", "linear", "medusa", "deepseek"] = "block"
+    """Output heads (`mtp.heads`): a transformer block each (the paper's default), a linear d x d
+    map each, Medusa's residual block h + SiLU(W h) each, or DeepSeek-V3's chain of MTP modules
+    (head i reads head i - 1's output and the token it predicts)."""
     matched_params: bool = False
-    """Keep trunk + head blocks equal to `n_layers + 1` for every K by moving K - 1 trunk blocks
-    into the heads (Gloeckle et al.), so a sweep over K compares equal parameter counts."""
+    """Keep the blocks of trunk and heads at `n_layers + 1` for every K by moving K - 1 trunk
+    blocks into the heads (Gloeckle et al.), so a sweep over K compares equal parameter counts.
+    For `block` heads exactly; for `deepseek` heads up to each module's 2d x d projection and two
+    norm gains. `linear` and `medusa` heads hold no block to move."""
     max_seq_len: int = 256
     """Longest context the rotary tables and KV cache are built for."""
     ffn_hidden: int | None = None
@@ -128,14 +132,15 @@ class ModelConfig:
                 f"--model.n_kv_heads ({self.n_kv_heads}) must be >= 1 and divide "
                 f"--model.n_heads ({self.n_heads})"
             )
-        head_types = typing.get_args(typing.get_type_hints(ModelConfig)["head_type"])
-        if self.head_type not in head_types:
-            p.append(f"--model.head_type must be one of {', '.join(head_types)} (got "
+        if self.head_type not in HEAD_TYPES:
+            p.append(f"--model.head_type must be one of {', '.join(HEAD_TYPES)} (got "
                      f"{self.head_type!r})")
         if self.matched_params:
-            if self.head_type != "block":
-                p.append("--model.matched_params needs --model.head_type block")
-            elif self.n_future >= 1 and self.n_layers - (self.n_future - 1) < 1:
+            if self.head_type not in ("block", "deepseek"):
+                p.append(f"--model.matched_params does not apply to --model.head_type "
+                         f"{self.head_type}: it moves trunk blocks into heads that are blocks "
+                         f"(block or deepseek), and {self.head_type} heads hold none")
+            elif self.n_future >= 1 and self.n_trunk_layers < 1:
                 p.append(
                     f"--model.matched_params moves K - 1 = {self.n_future - 1} trunk blocks into "
                     f"the heads, which leaves none of --model.n_layers = {self.n_layers}"
@@ -148,8 +153,10 @@ class ModelConfig:
 
     @property
     def n_trunk_layers(self) -> int:
-        """Blocks in the shared trunk after the matched-parameter move."""
-        return self.n_layers - (self.n_future - 1) if self.matched_params else self.n_layers
+        """Blocks in the shared trunk after the matched-parameter move. `deepseek` heads add
+        one: the block that `block` heads give head 1 is the main model's last (`mtp.heads`)."""
+        n = self.n_layers + (self.head_type == "deepseek")
+        return n - (self.n_future - 1) if self.matched_params else n
 
     @property
     def head_dim(self) -> int:
@@ -172,6 +179,10 @@ class ModelConfig:
             raise ConfigError(f"unknown model name {name!r}; known: {', '.join(MODEL_REGISTRY)}")
         return dataclasses.replace(MODEL_REGISTRY[name], **overrides)
 
+
+
+#: The values of `--model.head_type` (`mtp.heads`).
+HEAD_TYPES: tuple[str, ...] = typing.get_args(typing.get_type_hints(ModelConfig)["head_type"])
 
 #: Named sizes. `debug` runs a step on CPU in milliseconds (tests, README); `cpu` is the default
 #: that trains on two CPU cores in minutes; the rest are GPU sizes (parameter counts at V = 32000,
@@ -354,6 +365,15 @@ class LossConfig:
     """`naive` holds all K heads' logits at once; `sequential` runs one head at a time."""
     head_weights: list[float] | None = None
     """Weight w_i of head i in the loss (None: 1 for every head)."""
+    schedule: Literal["constant", "ramp", "curriculum"] = "constant"
+    """How the weights of heads 2..K move over training (`mtp.loss.scheduled_head_weights`):
+    `constant` keeps `head_weights`; `ramp` scales them linearly from 0 at step 0 to their full
+    value at `schedule_steps`; `curriculum` switches head i on at step
+    (i - 1) / (K - 1) * `schedule_steps`, so the heads join one at a time. Head 1's weight
+    never moves; validation uses the full weights. The weights in use are logged as
+    `train/head_weight{i}`."""
+    schedule_steps: int | None = None
+    """Steps in which `ramp` and `curriculum` reach every head's full weight."""
     targets: Literal["data", "self"] = "data"
     """`self`: head i learns the model's own greedy prediction of the token i ahead (head 1's
     argmax given the text so far, computed without gradient before each step) instead of the
@@ -361,8 +381,17 @@ class LossConfig:
     training data is not at hand."""
 
     def __post_init__(self) -> None:
+        p = []
         if self.head_weights is not None and any(w < 0 for w in self.head_weights):
-            _raise_if([f"--loss.head_weights must be >= 0 (got {self.head_weights})"])
+            p.append(f"--loss.head_weights must be >= 0 (got {self.head_weights})")
+        if self.schedule != "constant" and (self.schedule_steps is None or
+                                            self.schedule_steps < 1):
+            p.append(f"--loss.schedule {self.schedule} needs --loss.schedule_steps >= 1 (got "
+                     f"{self.schedule_steps})")
+        if self.schedule == "constant" and self.schedule_steps is not None:
+            p.append("--loss.schedule_steps applies to --loss.schedule ramp or curriculum only "
+                     "(got --loss.schedule constant)")
+        _raise_if(p)
 
 
 @dataclass
@@ -406,6 +435,9 @@ class RunConfig:
                      f"end-of-text token); give at least {BYTE_LEVEL_BASE}, or a --data.tokenizer")
         if self.optim.train == "heads" and self.model.n_future < 2:
             p.append("--optim.train heads trains heads 2..K, but --model.n_future is 1")
+        if self.loss.schedule != "constant" and self.model.n_future < 2:
+            p.append(f"--loss.schedule {self.loss.schedule} moves the weights of heads 2..K, but "
+                     "--model.n_future is 1")
         w = self.loss.head_weights
         if w is not None and len(w) != self.model.n_future:
             p.append(

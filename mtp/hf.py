@@ -59,8 +59,9 @@ def _from_llama_rows(w: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tens
 def _check_exportable(cfg: ModelConfig) -> None:
     if cfg.head_type != "block":
         raise ExportError(
-            f"head 1 is a linear map (--model.head_type {cfg.head_type}); a LlamaForCausalLM's "
-            f"layers are transformer blocks, so its logits cannot be head 1's")
+            f"--model.head_type {cfg.head_type}: the export writes head 1 as the "
+            f"LlamaForCausalLM's last layer and heads 2..K as the same kind of block, which "
+            f"only block heads are")
 
 
 def llama_config(cfg: ModelConfig, tokenizer: Tokenizer, dtype: torch.dtype) -> dict:
@@ -302,8 +303,8 @@ def pretrained_config(path: str | os.PathLike, cfg: ModelConfig) -> ModelConfig:
         problems.append(f"a sliding window of {window} below --model.max_seq_len "
                         f"{cfg.max_seq_len}")
     if cfg.head_type != "block" or cfg.matched_params:
-        problems.append("--model.head_type linear or --model.matched_params (the pretrained "
-                        "layers fix the heads' shape)")
+        problems.append(f"--model.head_type {cfg.head_type} or --model.matched_params (the "
+                        "pretrained layers fix the heads' shape)")
     if problems:
         raise ExportError(f"--model.init_from {path}: mtp cannot reproduce {'; '.join(problems)}")
     eot = cfg.eot_token

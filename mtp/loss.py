@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from mtp.config import LossConfig
 from mtp.kernels import linear_cross_entropy, linear_cross_entropy_fwd_bwd
 from mtp.model import MTPTransformer
 
@@ -43,6 +44,19 @@ def mtp_inputs_targets(window: torch.Tensor, n_future: int) -> tuple[torch.Tenso
     return window[:, :T], targets.transpose(0, 1)
 
 
+def scheduled_head_weights(cfg: LossConfig, k: int, step: int) -> list[float]:
+    """The head weights of training step `step` under `--loss.schedule` (see `LossConfig`)."""
+    base = list(cfg.head_weights or [1.0] * k)
+    if cfg.schedule == "constant" or k == 1:
+        return base
+    n = cfg.schedule_steps
+    if cfg.schedule == "ramp":
+        return [base[0]] + [w * min(1.0, step / n) for w in base[1:]]
+    # curriculum: head i + 1 (0-based i >= 1) joins at step i / (K - 1) * n
+    return [base[0]] + [w if step * (k - 1) >= i * n else 0.0
+                        for i, w in enumerate(base[1:], start=1)]
+
+
 def _head_weights(weights: list[float] | None, k: int, device: torch.device) -> torch.Tensor:
     return torch.ones(k, device=device) if weights is None else torch.tensor(weights,
                                                                              device=device)
@@ -68,8 +82,8 @@ def naive_heads_loss(
 ) -> MTPLossOutput:
     """The heads' part of `naive_mtp_loss`, from the trunk output h (B, T, d)."""
     K = model.cfg.n_future
-    logits = torch.stack([model.unembed(model.head_hidden(i, h, rope))
-                          for i in range(K)])  # (K, B, T, V)
+    logits = torch.stack([model.unembed(z) for z in model.head_states(h, rope, targets)])
+    # (K, B, T, V)
     # at least fp32 (bf16 logits would round the loss), but keep fp64 when testing in fp64
     dtype = torch.promote_types(logits.dtype, torch.float32)
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(dtype), targets.reshape(-1),
@@ -111,34 +125,14 @@ class _SequentialHeads(torch.autograd.Function):
     @staticmethod
     def forward(ctx, model, rope, targets, weights, with_accuracy, fwd_bwd, h, *params):
         W = model.unembed.weight
-        head_losses, head_accs = [], []
         with torch.enable_grad():
             h_leaf = h.detach().requires_grad_()
-            shared = [h_leaf, *(p for p in params if not _in_any_head(p, model))]
+            shared = [p for p in params if not _in_any_head(p, model)]
             grads = dict.fromkeys(params)  # summed over heads, in place
             grads[W] = torch.zeros_like(W, dtype=torch.promote_types(W.dtype, torch.float32))
-            dh = None
-            for i, head in enumerate(model.heads):
-                own = list(head.parameters())  # sharded under FSDP, like `params`
-                with _gathered_head(head) as (run_head, head_params, to_sharded):
-                    z = model.norm(run_head(h_leaf, *rope))  # (B, T, d)
-                    t = targets[i].flatten()
-                    loss, dz = fwd_bwd(z.detach().flatten(0, 1), W.detach(), t, grads[W],
-                                       scale=weights[i], ignore_index=IGNORE_INDEX)
-                    head_losses.append(loss)
-                    if with_accuracy:
-                        head_accs.append(_accuracy(z.detach().flatten(0, 1), W, t))
-                    wrt = [*shared, *head_params]
-                    wrt = [p for p in wrt if p.requires_grad and p is not W]
-                    got = dict(zip(map(id, wrt), torch.autograd.grad(
-                        z, wrt, grad_outputs=dz.view_as(z), allow_unused=True)))
-                    del z, dz  # frees this head's activations before the next head runs
-                    dh = _add(dh, got.pop(id(h_leaf)))
-                    for p in shared[1:]:
-                        if id(p) in got:
-                            grads[p] = _add(grads[p], got.pop(id(p)))
-                    for p, g in zip(own, to_sharded([got.get(id(q)) for q in head_params])):
-                        grads[p] = g
+            run = _chained_heads if model.chained else _parallel_heads
+            dh, head_losses, head_accs = run(model, rope, targets, weights, with_accuracy,
+                                             fwd_bwd, h_leaf, shared, grads)
         grads[W] = grads[W].to(W.dtype)
         # Plain attributes, not save_for_backward: backward hands each buffer over (scaled in
         # place) instead of allocating a scaled copy next to it, which would double the
@@ -162,6 +156,91 @@ class _SequentialHeads(torch.autograd.Function):
                 if g is not None:
                     g.mul_(grad_total.to(g.dtype))
         return (None, None, None, None, None, None, *grads)
+
+
+def _head_step(model, i, run_head, x, rope, targets, weights, fwd_bwd, with_accuracy, wrt,
+               grads, g_out=None):
+    """Head i's loss and its gradients with respect to `wrt`: its output from input x, the fused
+    loss forward and backward (dL/dW added into grads[W]), then the head's backward from dL/dz
+    (plus `g_out`, the gradient that later heads send back into this head's output).
+
+    Returns the loss, the accuracy (or None) and a dict id(tensor) -> gradient.
+    """
+    W = model.unembed.weight
+    out = model.head_output(i, x, rope, tokens=targets[i - 1] if i else None, run=run_head)
+    z = model.norm(out)  # (B, T, d)
+    t = targets[i].flatten()
+    loss, dz = fwd_bwd(z.detach().flatten(0, 1), W.detach(), t, grads[W], scale=weights[i],
+                       ignore_index=IGNORE_INDEX)
+    acc = _accuracy(z.detach().flatten(0, 1), W, t) if with_accuracy else None
+    # A chained head's embedding lookup of a tied W: its gradient joins W's buffer.
+    embed_W = model.chained and i > 0 and model.embed.weight is W and W.requires_grad
+    wrt = [p for p in wrt if p.requires_grad and p is not W] + ([W] if embed_W else [])
+    outs, g = ([z, out], [dz.view_as(z), g_out]) if g_out is not None else ([z], [dz.view_as(z)])
+    got = dict(zip(map(id, wrt), torch.autograd.grad(outs, wrt, grad_outputs=g,
+                                                     allow_unused=True)))
+    if embed_W and got.get(id(W)) is not None:
+        grads[W].add_(got.pop(id(W)))
+    return loss, acc, got
+
+
+def _collect(got: dict, shared: list, own: list, head_params: list, to_sharded,
+             grads: dict) -> None:
+    """Add one head's gradients of the shared tensors and set those of its own parameters."""
+    for p in shared:
+        if id(p) in got:
+            grads[p] = _add(grads[p], got.pop(id(p)))
+    for p, g in zip(own, to_sharded([got.get(id(q)) for q in head_params])):
+        grads[p] = g
+
+
+def _parallel_heads(model, rope, targets, weights, with_accuracy, fwd_bwd, h_leaf, shared,
+                    grads):
+    """Heads that all read the trunk output: each runs, is differentiated and is freed in turn,
+    dL/dh summed over them."""
+    dh, losses, accs = None, [], []
+    for i, head in enumerate(model.heads):
+        own = list(head.parameters())  # sharded under FSDP, like `params`
+        with _gathered_head(head) as (run_head, head_params, to_sharded):
+            loss, acc, got = _head_step(model, i, run_head, h_leaf, rope, targets, weights,
+                                        fwd_bwd, with_accuracy,
+                                        [h_leaf, *shared, *head_params], grads)
+            # this head's activations were freed with its graph, before the next head runs
+            dh = _add(dh, got.pop(id(h_leaf)))
+            _collect(got, shared, own, head_params, to_sharded, grads)
+        losses.append(loss)
+        accs.append(acc)
+    return dh, losses, accs
+
+
+def _chained_heads(model, rope, targets, weights, with_accuracy, fwd_bwd, h_leaf, shared,
+                   grads):
+    """Chained heads (head i reads head i - 1's output): a forward sweep without graphs keeps
+    each head's output (B, T, d); a backward sweep from head K to head 1 reruns each head with
+    its graph, adds the gradient its successor sent into its output to its own loss's, and
+    sends the gradient of its input back. One head's activations live at a time, and K hidden
+    states of B x T x d; the cost is one extra forward of every head."""
+    K = len(model.heads)
+    outs, x = [], h_leaf.detach()
+    with torch.no_grad():
+        for i, head in enumerate(model.heads):
+            with _gathered_head(head) as (run_head, _, _):
+                x = model.head_output(i, x, rope, tokens=targets[i - 1] if i else None,
+                                      run=run_head)
+            outs.append(x)
+    losses, accs, g = [None] * K, [None] * K, None
+    for i in reversed(range(K)):
+        head = model.heads[i]
+        own = list(head.parameters())
+        x_in = h_leaf if i == 0 else outs[i - 1].requires_grad_()
+        with _gathered_head(head) as (run_head, head_params, to_sharded):
+            losses[i], accs[i], got = _head_step(model, i, run_head, x_in, rope, targets,
+                                                 weights, fwd_bwd, with_accuracy,
+                                                 [x_in, *shared, *head_params], grads, g)
+            g = got.pop(id(x_in))
+            _collect(got, shared, own, head_params, to_sharded, grads)
+        outs[i] = None  # no longer needed: free it
+    return g, losses, accs
 
 
 def _add(acc: torch.Tensor | None, g: torch.Tensor | None) -> torch.Tensor | None:
@@ -265,6 +344,8 @@ def sequential_heads_loss(
     saves from what the fused kernel saves.
     """
     params = [*model.heads.parameters(), model.norm.weight, model.unembed.weight]
+    if model.chained:  # the heads embed the tokens they read with the trunk's embedding
+        params.append(model.embed.weight)
     params = list({id(p): p for p in params}.values())  # a tied or shared tensor once
     weights = _head_weights(head_weights, model.cfg.n_future, h.device)
     loss, head_losses, head_accs = _SequentialHeads.apply(model, rope, targets, weights,
@@ -290,8 +371,8 @@ def _heads_metrics(model: MTPTransformer, h: torch.Tensor, rope: tuple[torch.Ten
                    chunk: int) -> MTPLossOutput:
     W = model.unembed.weight
     losses, accs = [], []
-    for i in range(model.cfg.n_future):
-        z = model.head_hidden(i, h, rope).flatten(0, 1)  # (N, d)
+    for i, z in enumerate(model.head_states(h, rope, targets)):
+        z = z.flatten(0, 1)  # (N, d)
         t = targets[i].flatten()
         losses.append(linear_cross_entropy(z, W, t, ignore_index=IGNORE_INDEX))
         accs.append(_accuracy(z, W, t, chunk))

@@ -1,8 +1,9 @@
 """The multi-token-prediction transformer, in pure PyTorch.
 
-A shared trunk of `n_trunk_layers` blocks feeds K output heads; head i (1-based) predicts the token
-i positions ahead (Gloeckle et al. 2024). All heads share one final RMSNorm and one unembedding
-W (V x d). With K = 1 this is exactly a standard next-token transformer of `n_layers + 1` blocks.
+A shared trunk of `n_trunk_layers` blocks feeds K output heads (`mtp.heads`); head i (1-based)
+predicts the token i positions ahead (Gloeckle et al. 2024). All heads share one final RMSNorm
+and one unembedding W (V x d). With K = 1 and block or deepseek heads this is exactly a standard
+next-token transformer of `n_layers + 1` blocks. The layers are in `mtp.layers`.
 
 Dimension names: B batch, T new tokens, S cached slots, d width, V vocabulary, K heads,
 H attention heads, Hkv key/value heads, hd head width.
@@ -12,53 +13,21 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
 import torch
-import torch.nn.functional as F
-from einops import rearrange
 from torch import nn
 
 from mtp.config import MODEL_REGISTRY, ModelConfig
+from mtp.heads import CHAINED, build_heads, head_cache_layers
+from mtp.layers import Attention, Block, RMSNorm, rope_tables
 
 T_out = TypeVar("T_out")
 
 __all__ = [
     "KVCache", "MODEL_REGISTRY", "MTPTransformer", "ModelConfig", "build_model", "stack_blocks",
 ]
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # At least fp32: under bf16 autocast the mean of squares loses too many bits.
-        xf = x.to(torch.promote_types(x.dtype, torch.float32))
-        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return out.type_as(x) * self.weight
-
-
-def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cosine and sine tables for rotary embeddings, each (max_seq_len, hd / 2), fp64.
-
-    NOTE: kept in fp64 and cast per forward to max(fp32, compute dtype): fp32 angles at position
-    4096 are off by ~2e-4 rad, and an fp64 model (used by the exactness tests) stays exact.
-    """
-    inv_freq = 1.0 / cfg.rope_theta ** (
-        torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
-    angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float64), inv_freq)
-    return angles.cos(), angles.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs of channels of x (B, H, T, hd) by position; cos, sin are (B, 1, T, hd / 2)."""
-    x1, x2 = x.to(cos.dtype).unflatten(-1, (-1, 2)).unbind(-1)  # (B, H, T, hd/2) each
-    rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
-    return rotated.flatten(-2).type_as(x)
 
 
 class KVCache:
@@ -78,7 +47,7 @@ class KVCache:
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
     ) -> None:
-        n_layers = cfg.n_trunk_layers + (cfg.n_future if cfg.head_type == "block" else 0)
+        n_layers = cfg.n_trunk_layers + sum(x is not None for x in head_cache_layers(cfg))
         self.max_len = max_len or cfg.max_seq_len
         shape = (n_layers, batch_size, cfg.kv_heads, self.max_len, cfg.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)  # (L, B, Hkv, S, hd)
@@ -103,82 +72,6 @@ class KVCache:
             buf.scatter_(3, dst[None, :, None, :, None].expand_as(idx), moved)
 
 
-class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.kv_heads, cfg.head_dim
-        self.qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.kv_heads) * cfg.head_dim,
-                             bias=cfg.attn_bias)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-        slots: torch.Tensor | None = None,
-        mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        # Leading dimensions "..." are (B,) for one block and (J, B) for J stacked blocks
-        # (`stack_blocks`), which run the same code with one weight per block.
-        q, k, v = rearrange(self.qkv(x), "... t (h hd) -> ... h t hd", hd=self.hd).split(
-            [self.n_heads, self.n_kv, self.n_kv], dim=-3
-        )  # (..., H, T, hd), (..., Hkv, T, hd) x 2
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if kv is not None:
-            k_cache, v_cache = kv  # (..., Hkv, S, hd)
-            idx = slots[:, None, :, None].expand(k.shape)
-            k_cache.scatter_(-2, idx, k.to(k_cache.dtype))
-            v_cache.scatter_(-2, idx, v.to(v_cache.dtype))
-            # Attend over the first S slots only, S = the mask's width: the caller knows how far
-            # the cache is filled, and decode cost then grows with the text, not with max_len.
-            s = mask.shape[-1]
-            k, v = k_cache[..., :s, :].to(q.dtype), v_cache[..., :s, :].to(q.dtype)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.n_kv != self.n_heads
-        )  # (..., H, T, hd)
-        return self.proj(rearrange(out, "... h t hd -> ... t (h hd)"))
-
-
-class SwiGLU(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.gate_up = nn.Linear(cfg.d_model, 2 * cfg.ffn_dim, bias=False)
-        self.down = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
-
-
-class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = Attention(cfg)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg)
-
-    def forward(self, x, cos, sin, kv=None, slots=None, mask=None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, kv, slots, mask)
-        return x + self.mlp(self.mlp_norm(x))
-
-
-class LinearHead(nn.Module):
-    """A d x d linear map of the trunk output (no residual, no norm of its own; the shared
-    final norm follows): the cheapest head, one matrix per future offset."""
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-
-    def forward(self, x, cos, sin, kv=None, slots=None, mask=None) -> torch.Tensor:
-        return self.proj(x)
-
-
 class StackedLinear(nn.Module):
     """J linear maps applied at once: (J, ..., in) -> (J, ..., out) in one matmul."""
 
@@ -199,7 +92,7 @@ class StackedLinear(nn.Module):
 
 
 def stack_blocks(blocks: Sequence[nn.Module]) -> nn.Module:
-    """J modules of one kind (heads: `Block` or `LinearHead`) as one module of the same class.
+    """J modules of one kind (e.g. heads of one type) as one module of the same class.
 
     The result runs the class's own forward on inputs with a leading axis of J, (J, B, T, d) ->
     (J, B, T, d), and with a cache of J layers (J, B, Hkv, S, hd): each linear map becomes a
@@ -238,8 +131,9 @@ class MTPTransformer(nn.Module):
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_trunk_layers))
-        head_cls = Block if cfg.head_type == "block" else LinearHead
-        self.heads = nn.ModuleList(head_cls(cfg) for _ in range(cfg.n_future))
+        self.heads = build_heads(cfg)
+        self.chained = cfg.head_type in CHAINED  # head i reads head i - 1's output
+        self.head_layers = head_cache_layers(cfg)
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.unembed = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         cos, sin = rope_tables(cfg)
@@ -262,6 +156,9 @@ class MTPTransformer(nn.Module):
                 nn.init.normal_(p, std=self.cfg.init_std / math.sqrt(2 * n_blocks))
             else:
                 nn.init.normal_(p, std=self.cfg.init_std)
+        for head in self.heads:
+            if hasattr(head, "reset_parameters"):  # a head type's own initialisation (Medusa)
+                head.reset_parameters()
 
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Cosine and sine tables (B, 1, T, hd / 2) for RoPE positions (B, T)."""
@@ -310,25 +207,61 @@ class MTPTransformer(nn.Module):
             x = block(x, *rope, self._layer_kv(cache, i), slots, mask)
         return x, rope
 
-    def head_hidden(
+    def head_output(
         self,
         i: int,
-        h: torch.Tensor,
+        x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         *,
+        tokens: torch.Tensor | None = None,
         cache: KVCache | None = None,
         slots: torch.Tensor | None = None,
         mask: torch.Tensor | None = None,
+        run: Callable[..., torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Normalised input of the unembedding for head i (0-based: predicts token t + i + 1).
+        """Head i's output (B, T, d) before the shared norm (0-based i: predicts token t + i + 1).
 
-        Returns:
-            (B, T, d); the logits are `unembed(head_hidden(...))`.
+        Args:
+            x: the trunk output h (B, T, d); for chained heads (`deepseek`), head i - 1's output
+                (h for head 0).
+            tokens: chained heads from i = 1 on: the ids (B, T) of the token at offset i, the one
+                head i - 1 predicts (the data's when training, a draft when drafting).
+            run: the head's callable (default the head module; the sequential loss passes the
+                forward of an FSDP-gathered head).
         """
-        # linear heads have no attention, hence nothing in the cache
-        kv = self._layer_kv(cache, self.cfg.n_trunk_layers + i) \
-            if self.cfg.head_type == "block" else None
-        return self.norm(self.heads[i](h, *rope, kv, slots, mask))
+        run = run or self.heads[i]
+        layer = self.head_layers[i]
+        kv = None if cache is None or layer is None else (cache.k[layer], cache.v[layer])
+        if self.chained and i > 0:
+            if tokens is None:
+                raise ValueError(f"head {i + 1} of a {self.cfg.head_type} model reads the token "
+                                 f"at offset {i}: pass `tokens`")
+            # an ignored target (-100) is read as token 0; its own prediction is never scored
+            return run(x, self.embed(tokens.clamp(min=0)), *rope, kv, slots, mask)
+        return run(x, *rope, kv, slots, mask)
+
+    def head_hidden(self, i: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                    **kw) -> torch.Tensor:
+        """Normalised input of the unembedding for head i, (B, T, d): `head_output`, normed; the
+        logits are `unembed(head_hidden(...))`."""
+        return self.norm(self.head_output(i, x, rope, **kw))
+
+    def head_states(
+        self,
+        h: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        tokens: torch.Tensor | None = None,
+        heads: int | None = None,
+    ) -> Iterator[torch.Tensor]:
+        """Normalised hidden states (B, T, d) of heads 0..heads-1 in order, from the trunk output
+        h (B, T, d); chained heads read one another and head i reads tokens[i - 1], e.g. the
+        targets (K, B, T) of `mtp.loss.mtp_inputs_targets`."""
+        x = h
+        for i in range(self.cfg.n_future if heads is None else heads):
+            out = self.head_output(i, x if self.chained else h, rope,
+                                   tokens=None if tokens is None or i == 0 else tokens[i - 1])
+            x = out
+            yield self.norm(out)
 
     def forward(
         self,
@@ -343,6 +276,10 @@ class MTPTransformer(nn.Module):
     ) -> torch.Tensor | T_out:
         """Logits of the first `heads` heads (default all K): (K, B, T, V).
 
+        Chained heads (`deepseek`) read the input itself: head i at position t reads token
+        t + i of idx, teacher-forced; where that lies past idx (the last i positions) it reads
+        idx's last token, so those logits of heads 2..K are placeholders.
+
         With `heads_fn`, return `heads_fn(h, rope)` of the trunk output h (B, T, d) instead: the
         memory-efficient loss runs the heads itself, and doing so inside this call lets wrappers
         that hook the forward (FSDP, DDP) see one forward of the whole model.
@@ -353,10 +290,20 @@ class MTPTransformer(nn.Module):
         h, rope = self.trunk(idx, positions=positions, cache=cache, slots=slots, mask=mask)
         if heads_fn is not None:
             return heads_fn(h, rope)
-        return torch.stack([
-            self.unembed(self.head_hidden(i, h, rope, cache=cache, slots=slots, mask=mask))
-            for i in range(heads)
-        ])  # (K, B, T, V)
+        if cache is not None:
+            if self.chained and heads > 1:
+                raise ValueError("a cached forward of chained heads needs each head's own "
+                                 "tokens: decode through mtp.decoding")
+            return torch.stack([
+                self.unembed(self.head_hidden(i, h, rope, cache=cache, slots=slots, mask=mask))
+                for i in range(heads)
+            ])  # (K, B, T, V)
+        tokens = None
+        if self.chained and heads > 1:  # tokens[i - 1][:, t] = idx[:, t + i], clamped at the end
+            t = torch.arange(idx.shape[1], device=idx.device)
+            tokens = torch.stack([idx[:, (t + i).clamp(max=idx.shape[1] - 1)]
+                                  for i in range(1, heads)])
+        return torch.stack([self.unembed(z) for z in self.head_states(h, rope, tokens, heads)])
 
     def num_params(self, *, embedding: bool = True) -> int:
         """Parameter count (shared tensors counted once); optionally without the input embedding."""

@@ -11,7 +11,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from mtp.checkpoint import check_checkpoint_config
 from mtp.config import CompileConfig, ConfigError, LossConfig, ModelConfig, OptimConfig
-from mtp.loss import MTPLossOutput, mtp_inputs_targets, mtp_loss
+from mtp.loss import MTPLossOutput, mtp_inputs_targets, mtp_loss, scheduled_head_weights
 from mtp.model import MTPTransformer, build_model
 
 
@@ -38,12 +38,15 @@ class MTPModule(L.LightningModule):
         self.flops_per_batch: float | None = None  # read by Lightning's ThroughputMonitor
 
     # -- the step --------------------------------------------------------------------------
-    def compute_loss(self, window: torch.Tensor, *, with_accuracy: bool = True) -> MTPLossOutput:
+    def compute_loss(self, window: torch.Tensor, *, with_accuracy: bool = True,
+                     head_weights: list[float] | None = None) -> MTPLossOutput:
+        """The loss of windows (B, T + K), with `head_weights` (default `--loss.head_weights`)."""
         inputs, targets = mtp_inputs_targets(window, self.model_cfg.n_future)
         if self.loss_cfg.targets == "self":
             targets = self_targets(self.model, window)
-        return mtp_loss(self.model, inputs, targets, self.loss_cfg.head_weights,
-                        strategy=self.loss_cfg.strategy, with_accuracy=with_accuracy)
+        weights = self.loss_cfg.head_weights if head_weights is None else head_weights
+        return mtp_loss(self.model, inputs, targets, weights, strategy=self.loss_cfg.strategy,
+                        with_accuracy=with_accuracy)
 
     def _log_heads(self, stage: str, out: MTPLossOutput, **kw) -> None:
         metrics = {f"{stage}/loss_head{i + 1}": v for i, v in enumerate(out.head_losses)}
@@ -59,9 +62,14 @@ class MTPModule(L.LightningModule):
         # accuracy costs the sequential pass an extra matmul per head: only on the steps Lightning
         # writes to the logger ((steps so far + 1) % log_every_n_steps == 0), so no stale value
         # from an earlier step is written under a later one
+        weights = scheduled_head_weights(self.loss_cfg, self.model_cfg.n_future,
+                                         self.global_step)
         out = self.compute_loss(
-            batch, with_accuracy=(self.global_step + 1) % self.trainer.log_every_n_steps == 0)
+            batch, with_accuracy=(self.global_step + 1) % self.trainer.log_every_n_steps == 0,
+            head_weights=weights)
         self.log("train/loss", out.loss, prog_bar=True)
+        if self.loss_cfg.schedule != "constant":
+            self.log_dict({f"train/head_weight{i + 1}": w for i, w in enumerate(weights)})
         self._log_heads("train", out)
         return out.loss
 

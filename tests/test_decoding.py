@@ -8,14 +8,22 @@ change the output.
 
 from __future__ import annotations
 
-import copy
-import itertools
-
 import pytest
 import torch
-import torch.nn.functional as F
+from decoding_helpers import (
+    N_NEW,
+    N_SAMPLES,
+    SAMPLING,
+    V_TINY,
+    cell,
+    chi2_pvalue,
+    cyclic_prompts,
+    random_model,
+    random_prompts,
+    tiny_model,
+    train_cyclic,
+)
 
-from mtp.config import ModelConfig
 from mtp.decoding import (
     Tree,
     acceptance,
@@ -32,46 +40,9 @@ from mtp.model import KVCache, MTPTransformer
 torch.set_num_threads(1)
 
 
-def _random_model(seed: int = 0, **overrides) -> MTPTransformer:
-    torch.manual_seed(seed)
-    cfg = ModelConfig.from_name("debug", **{"n_future": 4, "max_seq_len": 128, **overrides})
-    return MTPTransformer(cfg).eval()
-
-
-def _prompts(n: int, vocab: int, seed: int, lo: int = 1, hi: int = 24) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(lo, hi, (n,), generator=g).tolist()
-    return [torch.randint(0, vocab, (t,), generator=g).tolist() for t in lengths]
-
-
 @pytest.fixture(scope="module")
 def trained() -> tuple[MTPTransformer, MTPTransformer]:
-    """K = 4 models trained on a cycle of 11 tokens (plus noise): after 150 steps (heads nearly
-    always right) and a snapshot after 10 steps (heads right now and then)."""
-    model = _random_model(1)
-    cycle = torch.randperm(model.cfg.vocab_size, generator=torch.Generator().manual_seed(1))[:11]
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    g = torch.Generator().manual_seed(2)
-    k, t = model.cfg.n_future, 32
-    model.train()
-    for step in range(150):
-        start = torch.randint(0, 11, (16, 1), generator=g)
-        seq = cycle[(start + torch.arange(t + k)) % 11]  # (16, t + K)
-        noise = torch.rand(seq.shape, generator=g) < 0.1  # keep the heads imperfect
-        seq = torch.where(noise, torch.randint(0, 256, seq.shape, generator=g), seq)
-        logits = model(seq[:, :t])  # (K, B, T, V)
-        loss = sum(
-            F.cross_entropy(logits[i].flatten(0, 1), seq[:, i + 1 : i + 1 + t].flatten())
-            for i in range(k)
-        )
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if step == 9:
-            early = copy.deepcopy(model).eval().requires_grad_(False)
-    model.eval().requires_grad_(False)
-    model.cycle = early.cycle = cycle.tolist()
-    return model, early
+    return train_cyclic()
 
 
 @pytest.fixture(scope="module")
@@ -84,22 +55,14 @@ def early_model(trained) -> MTPTransformer:
     return trained[1]
 
 
-def _cyclic_prompts(model: MTPTransformer, n: int, seed: int) -> list[list[int]]:
-    """Random prompts, half of them ending in a stretch of the cycle."""
-    prompts = _prompts(n, model.cfg.vocab_size, seed, hi=12)
-    cycle = model.cycle
-    return [p + (cycle[i % 11 :] + cycle)[: 3 + i % 5] if i % 2 else p
-            for i, p in enumerate(prompts)]
-
-
 # --------------------------------------------------------------------------------------------
 # Greedy exactness
 
 
 @pytest.mark.parametrize("decoder", ["self-spec", "tree"])
-def test_speculative_greedy_equals_greedy_random_model(decoder: str) -> None:
-    model = _random_model()
-    prompts = _prompts(50, model.cfg.vocab_size, seed=3)
+def test_speculative_greedy_equals_greedyrandom_model(decoder: str) -> None:
+    model = random_model()
+    prompts = random_prompts(50, model.cfg.vocab_size, seed=3)
     ref, _ = generate(model, prompts, 64)
     out, stats = generate(model, prompts, 64, decoder=decoder)
     assert out == ref
@@ -120,7 +83,7 @@ def test_speculative_greedy_equals_greedy_random_model(decoder: str) -> None:
 @pytest.mark.parametrize("which", ["cyclic_model", "early_model"])
 def test_speculative_greedy_equals_greedy_with_acceptance(request, which, decoder, kwargs) -> None:
     model = request.getfixturevalue(which)
-    prompts = _cyclic_prompts(model, 24, seed=4)
+    prompts = cyclic_prompts(model, 24, seed=4)
     ref, base = generate(model, prompts, 48)
     out, stats = generate(model, prompts, 48, decoder=decoder, **kwargs)
     assert out == ref
@@ -133,14 +96,14 @@ def test_speculative_greedy_equals_greedy_with_acceptance(request, which, decode
 
 def test_draft_model_greedy_equals_greedy(cyclic_model) -> None:
     # The target drafting for itself accepts everything; a random draft model almost nothing.
-    prompts = _cyclic_prompts(cyclic_model, 12, seed=5)
+    prompts = cyclic_prompts(cyclic_model, 12, seed=5)
     ref, _ = generate(cyclic_model, prompts, 40)
     out, stats = generate(cyclic_model, prompts, 40, decoder="draft", draft_model=cyclic_model,
                           gamma=3)
     assert out == ref
     # Each row: the prefill (1 token), 9 rounds of 3 drafts + 1, a last round cut to 3 tokens.
     assert stats.accepted == [0, 12, 0, 12, 9 * 12]
-    draft = _random_model(7, n_future=1)
+    draft = random_model(7, n_future=1)
     out, stats = generate(cyclic_model, prompts, 40, decoder="draft", draft_model=draft, gamma=2)
     assert out == ref
     assert stats.draft_forwards > 0
@@ -189,7 +152,7 @@ def test_acceptance_lengths_match_a_reference(cyclic_model, early_model) -> None
          heads(early_model, [3, 2, 2]), 3),
         (cyclic_model, "draft", {"draft_model": early_model, "gamma": 3}, chain(early_model), 3),
     ]
-    for prompt in _cyclic_prompts(cyclic_model, 4, seed=10):
+    for prompt in cyclic_prompts(cyclic_model, 4, seed=10):
         for model, decoder, kwargs, drafter, n in cases:
             ref = generate(model, [prompt], 24)[0][0]
             out, stats = generate(model, [prompt], 24, decoder=decoder, **kwargs)
@@ -220,7 +183,7 @@ def test_cache_holds_exactly_the_committed_tokens(early_model, monkeypatch, deco
     monkeypatch.setattr("mtp.decoding.new_cache", spy)
     monkeypatch.setattr("mtp.decoding.drafters.new_cache", spy)
     if decoder == "draft":
-        kwargs = {"draft_model": _random_model(5, n_future=1), "gamma": 3}
+        kwargs = {"draft_model": random_model(5, n_future=1), "gamma": 3}
     if kwargs.get("adaptive") == "alternate":
         # Rounds without drafts between rounds with them: heads 2..h skip the former and must
         # catch up on their tokens before drafting again.
@@ -235,7 +198,7 @@ def test_cache_holds_exactly_the_committed_tokens(early_model, monkeypatch, deco
     # Tokens of the last rounds that drafted nothing, which heads 2..h have not seen: the
     # round(s) after the last drafting one (one with no room for drafts; one more alternating).
     unseen = 2 if "adaptive" in kwargs else 1
-    prompt = _cyclic_prompts(early_model, 2, seed=15)[1]
+    prompt = cyclic_prompts(early_model, 2, seed=15)[1]
     out, stats = generate(early_model, [prompt], 30, decoder=decoder, **kwargs)
     assert stats.tokens_per_forward > 1.1 or decoder == "draft"
     seq = prompt + out[0]
@@ -263,7 +226,7 @@ def test_cache_holds_exactly_the_committed_tokens(early_model, monkeypatch, deco
 
 
 def test_batched_greedy_equals_each_row_alone(cyclic_model) -> None:
-    prompts = _cyclic_prompts(cyclic_model, 8, seed=6)
+    prompts = cyclic_prompts(cyclic_model, 8, seed=6)
     for decoder in ("greedy", "self-spec", "tree"):
         batched, _ = generate(cyclic_model, prompts, 32, decoder=decoder)
         alone = [generate(cyclic_model, [p], 32, decoder=decoder)[0][0] for p in prompts]
@@ -272,8 +235,8 @@ def test_batched_greedy_equals_each_row_alone(cyclic_model) -> None:
 
 def test_greedy_matches_uncached_forward() -> None:
     """The cached greedy baseline against argmax over a full forward each step."""
-    model = _random_model(2)
-    prompt = _prompts(1, model.cfg.vocab_size, seed=8)[0]
+    model = random_model(2)
+    prompt = random_prompts(1, model.cfg.vocab_size, seed=8)[0]
     out, _ = generate(model, [prompt], 12)
     seq = list(prompt)
     for _ in range(12):
@@ -282,7 +245,7 @@ def test_greedy_matches_uncached_forward() -> None:
 
 
 def test_heads_used_and_tree_from_accuracies(cyclic_model) -> None:
-    prompts = _cyclic_prompts(cyclic_model, 8, seed=9)
+    prompts = cyclic_prompts(cyclic_model, 8, seed=9)
     ref, _ = generate(cyclic_model, prompts, 32)
     ls = [generate(cyclic_model, prompts, 32, decoder="self-spec", heads=h)[1].tokens_per_forward
           for h in (1, 2, 4)]
@@ -316,39 +279,9 @@ def test_tree_shapes() -> None:
 # Sampling exactness
 
 
-def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson goodness of fit; cells expecting fewer than 5 counts are pooled."""
-    n = counts.sum()
-    expected = probs.double() * n
-    small = expected < 5
-    obs = torch.cat([counts[~small].double(), counts[small].double().sum()[None]])
-    exp = torch.cat([expected[~small], expected[small].sum()[None]])
-    keep = exp > 0
-    stat = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
-    dof = int(keep.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2.0), stat / 2))
-
-
-V_TINY, N_NEW, N_SAMPLES = 4, 4, 12000
-SAMPLING = {"temperature": 0.9, "top_k": 3, "top_p": 0.8}
-
-
 @pytest.fixture(scope="module")
 def tiny() -> tuple[MTPTransformer, list[int], torch.Tensor]:
-    """A 4-token-vocabulary K = 4 model, a prompt, and the exact distribution of the next 4
-    sampled tokens (4^4 cells), from full forwards without a cache."""
-    model = _random_model(11, vocab_size=V_TINY, init_std=0.5).requires_grad_(False)
-    prompt = [1, 3]
-    seqs = torch.tensor([prompt + list(s) for s in itertools.product(range(V_TINY), repeat=N_NEW)])
-    logits = model(seqs, heads=1)[0]  # (V^n, P + n, V)
-    p = probs_from_logits(logits[:, len(prompt) - 1 : -1], **SAMPLING)  # (V^n, n, V)
-    joint = p.gather(-1, seqs[:, len(prompt) :, None])[..., 0].double().prod(-1)
-    return model, prompt, joint
-
-
-def _cell(tokens: list[list[int]]) -> torch.Tensor:
-    t = torch.tensor(tokens)
-    return (t * V_TINY ** torch.arange(N_NEW - 1, -1, -1)).sum(1)
+    return tiny_model()
 
 
 @pytest.mark.parametrize("decoder", ["sample", "self-spec", "tree", "draft", "adaptive"])
@@ -358,14 +291,14 @@ def test_speculative_sampling_is_exact(tiny, decoder: str) -> None:
     if decoder == "adaptive":  # rounds verify as many drafts as the policy finds pay
         decoder, kwargs = "self-spec", {"adaptive": True}
     if decoder == "draft":
-        kwargs = {"draft_model": _random_model(12, vocab_size=V_TINY, n_future=1, init_std=0.5),
+        kwargs = {"draft_model": random_model(12, vocab_size=V_TINY, n_future=1, init_std=0.5),
                   "gamma": 3}
     if decoder == "tree":
         kwargs = {"tree": Tree.from_widths([2, 1, 1])}
     out, stats = generate(model, [prompt] * N_SAMPLES, N_NEW, decoder=decoder,
                           generator=torch.Generator().manual_seed(13), **SAMPLING, **kwargs)
-    counts = torch.bincount(_cell(out), minlength=V_TINY**N_NEW)
-    assert _chi2_pvalue(counts, joint) > 1e-3
+    counts = torch.bincount(cell(out), minlength=V_TINY**N_NEW)
+    assert chi2_pvalue(counts, joint) > 1e-3
     if decoder != "sample":
         # Drafts were rejected in some forwards (besides the prefill) and all taken in others.
         assert stats.accepted[1] > N_SAMPLES and stats.accepted[-1] > 0
@@ -386,8 +319,8 @@ def test_chi_square_catches_a_missing_residual(tiny, monkeypatch) -> None:
     monkeypatch.setattr(engine, "accept_chain", biased)
     out, _ = generate(model, [prompt] * N_SAMPLES, N_NEW, decoder="self-spec",
                       generator=torch.Generator().manual_seed(13), **SAMPLING)
-    counts = torch.bincount(_cell(out), minlength=V_TINY**N_NEW)
-    assert _chi2_pvalue(counts, joint) < 1e-6
+    counts = torch.bincount(cell(out), minlength=V_TINY**N_NEW)
+    assert chi2_pvalue(counts, joint) < 1e-6
 
 
 def test_probs_from_logits_filters() -> None:
@@ -429,7 +362,7 @@ def test_stop_conditions(cyclic_model) -> None:
 
 
 def test_context_window_ends_generation() -> None:
-    model = _random_model(3, max_seq_len=40)
+    model = random_model(3, max_seq_len=40)
     prompts = [[1] * 30, [2] * 10]
     ref, _ = generate(model, prompts, 100)
     assert [len(r) for r in ref] == [10, 30]  # prompt + new tokens fill the window
@@ -442,8 +375,8 @@ def test_context_window_ends_generation() -> None:
 
 
 def test_bad_input_gives_clear_errors() -> None:
-    model = _random_model()
-    single = _random_model(n_future=1)
+    model = random_model()
+    single = random_model(n_future=1)
     with pytest.raises(ValueError, match="single head"):
         generate(single, [[1, 2]], 4, decoder="self-spec")
     with pytest.raises(ValueError, match="single head"):
@@ -472,8 +405,8 @@ def test_bad_input_gives_clear_errors() -> None:
 def test_batched_draft_heads_match_the_model(overrides) -> None:
     """Heads 2..h run as one batched block compute what `model.head_hidden` computes, and write
     the same keys and values into their cache layers."""
-    model = _random_model(4, **overrides)
-    tokens = torch.tensor(_prompts(3, model.cfg.vocab_size, seed=14, lo=9, hi=10))  # (3, 9)
+    model = random_model(4, **overrides)
+    tokens = torch.tensor(random_prompts(3, model.cfg.vocab_size, seed=14, lo=9, hi=10))  # (3, 9)
     mask = engine.chain_mask(torch.zeros(3, dtype=torch.long), 9)
     slots = torch.arange(9).expand(3, -1)
     ours, theirs = KVCache(model.cfg, 3, 16), KVCache(model.cfg, 3, 16)
@@ -496,7 +429,7 @@ def test_batched_draft_heads_match_the_model(overrides) -> None:
 
 def test_oracle_drafts_are_all_accepted(cyclic_model) -> None:
     """Drafting the tokens greedy emits: every draft is accepted, the output is greedy's."""
-    prompts = _cyclic_prompts(cyclic_model, 6, seed=20)
+    prompts = cyclic_prompts(cyclic_model, 6, seed=20)
     ref, _ = generate(cyclic_model, prompts, 30)
     out, stats = generate(cyclic_model, prompts, 30, decoder="oracle", reference=ref, gamma=3)
     assert out == ref
@@ -509,7 +442,7 @@ def test_oracle_drafts_are_all_accepted(cyclic_model) -> None:
 def test_drafted_tokens_are_reported(cyclic_model) -> None:
     """on_tokens says how many of each round's tokens came from accepted drafts: all of a round's
     tokens but the verifier's last one, unless max_new_tokens cut the row's last round short."""
-    prompts = _cyclic_prompts(cyclic_model, 4, seed=21)
+    prompts = cyclic_prompts(cyclic_model, 4, seed=21)
     seen = []
     out, stats = generate(cyclic_model, prompts, 24, decoder="tree",
                           on_tokens=lambda row, toks, drafted: seen.append((row, toks, drafted)))
@@ -527,7 +460,7 @@ def test_drafted_tokens_are_reported(cyclic_model) -> None:
 )
 def test_adaptive_speculation_keeps_greedy_output(cyclic_model, early_model, decoder, kwargs):
     for model in (cyclic_model, early_model):
-        prompts = _cyclic_prompts(model, 8, seed=22)
+        prompts = cyclic_prompts(model, 8, seed=22)
         if decoder == "draft":
             kwargs = {**kwargs, "draft_model": early_model}
         ref, _ = generate(model, prompts, 40)
@@ -580,7 +513,7 @@ def test_adaptive_policy_carries_acceptance_across_calls(cyclic_model) -> None:
     from mtp.decoding.policy import Adaptive
 
     policy = Adaptive()
-    prompts = _cyclic_prompts(cyclic_model, 4, seed=23)
+    prompts = cyclic_prompts(cyclic_model, 4, seed=23)
     for p in prompts:
         ref, _ = generate(cyclic_model, [p], 24)
         out, stats = generate(cyclic_model, [p], 24, decoder="self-spec", adaptive=policy)

@@ -88,9 +88,10 @@ def test_tokenizer_and_greedy_generation_agree_with_transformers(tmp_path, token
 
 
 def test_bad_exports_are_refused_and_nothing_is_overwritten(tmp_path, tokenizer):
-    with pytest.raises(ExportError, match="linear map"):
-        export(_model(head_type="linear"), tokenizer, tmp_path / "linear")
-    assert not (tmp_path / "linear").exists()
+    for head_type in ("linear", "medusa", "deepseek"):
+        with pytest.raises(ExportError, match=f"--model.head_type {head_type}: .* only block"):
+            export(_model(head_type=head_type), tokenizer, tmp_path / head_type)
+        assert not (tmp_path / head_type).exists()
     taken = tmp_path / "taken"
     taken.mkdir()
     (taken / "keep.txt").write_text("mine")

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from mtp.config import ConfigError, ModelConfig
+from mtp.heads import HEAD_TYPES
 from mtp.loss import mtp_inputs_targets, naive_mtp_loss
 from mtp.model import KVCache, MTPTransformer
 
@@ -100,14 +101,17 @@ def test_each_head_learns_the_token_its_offset_ahead():
         assert (pred[i] == power).float().mean() > 0.99, f"head {i + 1} did not learn P^{i + 1}"
 
 
-@pytest.mark.parametrize("head_type", ["block", "linear"])
+@pytest.mark.parametrize("head_type", HEAD_TYPES)
 def test_kv_cache_matches_full_forward(head_type):
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                       n_future=3, head_type=head_type, max_seq_len=32)
     model = MTPTransformer(cfg).eval()
     idx = torch.randint(0, 50, (2, 12))
-    full = model(idx)
+    # chained heads read tokens ahead of the cached ones: decoding runs them (tests/
+    # test_head_types.py); a cached forward of the model gives head 1 only
+    heads = 1 if model.chained else None
+    full = model(idx, heads=heads)
     cache = KVCache(cfg, 2, 16)
     # a 5-token prefill, then one token at a time
     steps = [(0, 5)] + [(t, t + 1) for t in range(5, 12)]
@@ -115,7 +119,8 @@ def test_kv_cache_matches_full_forward(head_type):
     for a, b in steps:
         pos = torch.arange(a, b).expand(2, -1)
         mask = (torch.arange(b)[None, :] <= torch.arange(a, b)[:, None]).expand(2, 1, -1, -1)
-        outs.append(model(idx[:, a:b], positions=pos, cache=cache, slots=pos, mask=mask))
+        outs.append(model(idx[:, a:b], heads=heads, positions=pos, cache=cache, slots=pos,
+                          mask=mask))
     torch.testing.assert_close(torch.cat(outs, 2), full, rtol=1e-5, atol=1e-5)
 
 
@@ -141,6 +146,46 @@ def test_matched_params_keep_parameter_count_across_k(n_layers):
     assert plain[1] > 1.3 * plain[0]
 
 
+def test_deepseek_matched_params_differ_by_the_module_projections_only():
+    d = 64
+    counts = {k: MTPTransformer(ModelConfig(vocab_size=512, d_model=d, n_layers=8, n_heads=4,
+                                            n_future=k, head_type="deepseek",
+                                            matched_params=True)).num_params()
+              for k in (1, 2, 4)}
+    block = MTPTransformer(ModelConfig(vocab_size=512, d_model=d, n_layers=8, n_heads=4,
+                                       n_future=1, matched_params=True)).num_params()
+    assert counts[1] == block  # K = 1: the same model as block heads
+    for k in (2, 4):  # each module adds its 2d x d projection and two norm gains
+        assert counts[k] - counts[1] == (k - 1) * (2 * d * d + 2 * d)
+
+
+def test_deepseek_head_i_reads_the_token_at_offset_i():
+    """Head i + 1 (0-based i) at position t is conditioned on tokens 0..t + i: changing token
+    t + i changes it, changing a later one does not (teacher-forced forward)."""
+    torch.manual_seed(0)
+    model = MTPTransformer(ModelConfig(vocab_size=50, d_model=32, n_layers=1, n_heads=2,
+                                       n_future=4, head_type="deepseek", max_seq_len=32)).eval()
+    idx = torch.randint(0, 50, (1, 16))
+    base = model(idx)  # (K, 1, T, V)
+    t = 5
+    for j in range(1, 8):
+        changed = idx.clone()
+        changed[0, t + j] = (changed[0, t + j] + 1) % 50
+        out = model(changed)
+        for i in range(4):
+            moved = not torch.allclose(out[i, 0, t], base[i, 0, t])
+            assert moved == (j <= i), f"head {i + 1} at t: token t + {j} changed it: {moved}"
+
+
+def test_medusa_heads_start_as_the_identity():
+    torch.manual_seed(0)
+    model = MTPTransformer(ModelConfig(vocab_size=50, d_model=32, n_layers=1, n_heads=2,
+                                       n_future=3, head_type="medusa")).eval()
+    logits = model(torch.randint(0, 50, (2, 7)))
+    torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=0)
+    torch.testing.assert_close(logits[2], logits[0], rtol=0, atol=0)
+
+
 def test_tied_embeddings_share_one_tensor():
     model = MTPTransformer(ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2,
                                        tie_embeddings=True))
@@ -153,9 +198,14 @@ def test_tied_embeddings_share_one_tensor():
     ({"d_model": 100, "n_heads": 3}, "--model.d_model (100) must be divisible by --model.n_heads"),
     ({"n_heads": 4, "d_model": 256, "n_kv_heads": 3}, "--model.n_kv_heads (3)"),
     ({"matched_params": True, "n_layers": 2, "n_future": 4}, "--model.matched_params"),
-    ({"head_type": "nonsense"}, "--model.head_type must be one of block, linear (got 'nonsense')"),
+    ({"head_type": "nonsense"},
+     "--model.head_type must be one of block, linear, medusa, deepseek (got 'nonsense')"),
     ({"head_type": "linear", "matched_params": True},
-     "--model.matched_params needs --model.head_type block"),
+     "--model.matched_params does not apply to --model.head_type linear"),
+    ({"head_type": "medusa", "matched_params": True},
+     "--model.matched_params does not apply to --model.head_type medusa"),
+    ({"head_type": "deepseek", "matched_params": True, "n_layers": 2, "n_future": 4},
+     "moves K - 1 = 3 trunk blocks into the heads, which leaves none"),
 ])
 def test_bad_model_configs_name_the_flag(kwargs, flag):
     with pytest.raises(ConfigError) as err:

@@ -285,10 +285,10 @@ def test_train_accuracy_is_computed_on_the_steps_that_are_logged(tiny_corpus, tm
     computed = []
 
     class Probe(MTPModule):
-        def compute_loss(self, window, *, with_accuracy=True):
+        def compute_loss(self, window, *, with_accuracy=True, **kw):
             if self.training and with_accuracy:
                 computed.append(self.global_step)
-            return super().compute_loss(window, with_accuracy=with_accuracy)
+            return super().compute_loss(window, with_accuracy=with_accuracy, **kw)
 
     L.seed_everything(0)
     module = Probe(TINY, OptimConfig(warmup_steps=2, decay_steps=20), LossConfig("sequential"))

@@ -24,7 +24,7 @@ import importlib
 import shlex
 import sys
 
-from mtp.config import DECODERS
+from mtp.config import DECODERS, HEAD_TYPES
 
 __all__ = ["comma_ints", "main", "parser"]
 
@@ -60,6 +60,8 @@ def _loss_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=2048, help="T; the batch is N / T sequences")
     p.add_argument("--ks", type=comma_ints, default=[1, 2, 4, 8], help="values of K, e.g. 1,2,4,8")
     p.add_argument("--methods", default=None, help="subset, e.g. naive,sequential+fused")
+    p.add_argument("--head-type", default="block", choices=HEAD_TYPES,
+                   help="the heads' design (--model.head_type)")
     p.add_argument("--max-naive-gib", type=float, default=16.0,
                    help="skip naive configurations estimated to need more memory")
     p.add_argument("--fsdp", type=int, default=1, metavar="RANKS",

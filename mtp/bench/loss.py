@@ -75,13 +75,14 @@ def _loss_step(spec: dict, N: int, V: int, mesh=None) -> Callable[[], None]:
     torch.manual_seed(0)
     K, d, T = spec["K"], spec["d"], min(spec["T"], N)
     cfg = ModelConfig(vocab_size=V, d_model=d, n_layers=1, n_heads=max(1, d // 64),
-                      n_future=K, max_seq_len=T)
+                      n_future=K, max_seq_len=T, head_type=spec.get("head_type", "block"))
     model = MTPTransformer(cfg).to(device)
     if mesh is not None:
         from torch.distributed.fsdp import fully_shard
 
         for head in model.heads:
-            fully_shard(head, mesh=mesh)
+            if any(True for _ in head.parameters()):  # deepseek's head 1 holds none
+                fully_shard(head, mesh=mesh)
     B = N // T
     h = torch.randn(B, T, d, device=device, requires_grad=True)  # the trunk output
     _, targets = mtp_inputs_targets(torch.randint(0, V, (B, T + K), device=device), K)
@@ -169,15 +170,16 @@ def bench_loss(args: argparse.Namespace) -> list[dict]:
     rows = []
     for K in args.ks:
         for method in methods:
-            row = {"method": method, "K": K, "N": args.n, "d": args.d, "V": args.vocab,
-                   "dtype": args.dtype, "fsdp_ranks": args.fsdp}
+            row = {"method": method, "heads": args.head_type, "K": K, "N": args.n,
+                   "d": args.d, "V": args.vocab, "dtype": args.dtype, "fsdp_ranks": args.fsdp}
             need = _naive_estimate_gib(K, args.n, args.vocab)
             if method == "naive" and need > args.max_naive_gib:
                 rows.append({**row, "status": f"skipped: needs ~{need:.0f} GiB"})
                 continue
             spec = {"method": method, "K": K, "N": args.n, "d": args.d, "V": args.vocab,
                     "T": args.seq_len, "device": args.device, "dtype": args.dtype,
-                    "warmup": args.warmup, "reps": args.reps, "ranks": args.fsdp}
+                    "warmup": args.warmup, "reps": args.reps, "ranks": args.fsdp,
+                    "head_type": args.head_type}
             proc = subprocess.run([sys.executable, "-m", "mtp.bench", "_loss_worker",
                                    json.dumps(spec)], capture_output=True, text=True, env=env)
             if proc.returncode != 0:

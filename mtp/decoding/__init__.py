@@ -2,7 +2,8 @@
 
 `generate` validates a request and runs the one decode loop (`engine`) with one drafter
 (`drafters`): plain decoding proposes nothing; `self-spec` and `tree` draft with heads 2..h
-(run as one stacked block, `heads`); `draft` with a separate model. The acceptance rules
+(parallel heads run as one stacked block, `heads`; chained heads run on their own drafts,
+`chain`); `draft` with a separate model. The acceptance rules
 (`acceptance`) are exact: speculative greedy output is plain greedy output token for token, and
 speculative sampling draws from the distribution of plain sampling (`sampling`). `tree` holds the
 candidate trees, `stopper` the stop conditions, `stats` what a call did, and `policy` how many
@@ -17,6 +18,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from mtp.config import DECODERS
+from mtp.decoding.chain import ChainHeads
 from mtp.decoding.drafters import Drafter, DraftModel, HeadChain, HeadTree, Oracle
 from mtp.decoding.engine import Context, new_cache, run
 from mtp.decoding.policy import Adaptive, Fixed
@@ -187,16 +189,17 @@ def generate(
         # One head drafts nothing: plain decoding.
         drafter = Drafter()
     elif decoder == "self-spec":
-        drafter = HeadChain(model, heads)
+        drafter = ChainHeads(model, heads) if model.chained else HeadChain(model, heads)
     elif decoder == "tree":
-        drafter = HeadTree(model, heads,
-                           tree or Tree.from_widths([3, 2] + [1] * max(0, model.cfg.n_future - 3)))
+        tree = tree or Tree.from_widths([3, 2] + [1] * max(0, model.cfg.n_future - 3))
+        drafter = ChainHeads(model, heads, tree) if model.chained else \
+            HeadTree(model, heads, tree)
     elif decoder == "draft":
         drafter = DraftModel(draft_model, gamma)
     else:
         drafter = Oracle(reference, gamma)
     # Room for every position of the window plus the slots a round writes past the last one.
-    extra = len(drafter.tree.paths) if isinstance(drafter, HeadTree) else drafter.max_drafts + 1
+    extra = drafter.slots_needed
     max_len = min(window, longest + max_new_tokens) + extra
     device = next(model.parameters()).device
     ctx = Context(

@@ -45,6 +45,11 @@ class Drafter:
 
     max_drafts = 0
     """The most drafts per row a round can verify (a tree's depth)."""
+    @property
+    def slots_needed(self) -> int:
+        """Cache slots a round writes past the committed ones."""
+        return self.max_drafts + 1
+
     deferred = 0.0
     """Seconds of the last round spent on work deferred from earlier rounds (heads 2..h catching
     up on tokens committed without drafting): not the cost of the round's own choice."""
@@ -172,6 +177,10 @@ class HeadTree(HeadChain):
         self.top = max(self.tree.widths(), default=1)
         self.max_drafts = self.tree.depth
         self.by_depth: dict[int, TreeTensors] = {}  # the tree cut to fewer levels near the end
+
+    @property
+    def slots_needed(self) -> int:
+        return len(self.tree.paths)
 
     def _draft(self, ctx, logits) -> None:
         self.drafts = logits.topk(self.top, dim=-1).indices  # (B, h-1, top)

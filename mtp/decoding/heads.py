@@ -30,10 +30,9 @@ class DraftHeads:
     """Heads 2..heads of a model as one stacked module (see the module docstring)."""
 
     def __init__(self, model: MTPTransformer, heads: int) -> None:
-        cfg = model.cfg
         self.model, self.n = model, heads - 1
-        self.first_layer = cfg.n_trunk_layers + 1  # cache layer of head 2
-        self.cached = cfg.head_type == "block"  # linear heads keep no keys and values
+        self.first_layer = model.head_layers[1] if heads > 1 else None  # cache layer of head 2
+        self.cached = self.first_layer is not None  # linear and medusa heads keep no keys
         self.stacked = stack_blocks(list(model.heads[1:heads])) if self.n else None
 
     def __call__(
@@ -46,8 +45,10 @@ class DraftHeads:
     ) -> torch.Tensor:
         """Normalised hidden states of heads 2..h (h-1, B, T, d) for trunk output h (B, T, d);
         their keys and values land at `slots` of the heads' cache layers."""
-        layers = slice(self.first_layer, self.first_layer + self.n)
-        kv = (cache.k[layers], cache.v[layers]) if self.cached else None
+        kv = None
+        if self.cached:
+            layers = slice(self.first_layer, self.first_layer + self.n)
+            kv = (cache.k[layers], cache.v[layers])
         x = self.stacked(h.expand(self.n, *h.shape), *rope, kv, slots, mask)
         return self.model.norm(x)
 

@@ -1,0 +1,189 @@
+"""Drafting with chained heads (`--model.head_type deepseek`): the chain runs on its own drafts.
+
+Head j + 1 (0-based depth j >= 1) at position q reads depth j - 1's output at q and token
+q + j. Call that pair a cell (j, q). With L committed tokens in the trunk's cache and the
+pending token at position L, the tokens 0..L are known. A cell is *final* when it reads only
+known tokens (q + j <= L): it is computed once, teacher-forced like training, and its keys and
+values stay in depth j's cache layer. The other cells read drafts.
+
+A round with n drafts runs in two steps:
+
+1. Catch up: each depth j <= n runs over its cells that became final since it last ran (slots
+   and positions q, one forward per depth), so its cache holds every final cell.
+2. Draft: the candidate tree (a chain is the tree of widths 1, 1, ...) is grown a level at a
+   time. A node at level l holds token L + l. It owns the cells (j, L + l - j) for
+   j = l + 1..n, the cells that read its token, and they read its parent's cells at depth
+   j - 1. The cell (l + 1, L - 1) predicts the node's children: the top-k of its distribution
+   for a tree, the argmax or a draw for a chain. Non-final cells attend to depth j's final
+   cells and to the cells of the node's own ancestors, which sit in scratch slots past the
+   final ones. Those scratch slots are overwritten by the next catch-up before anything
+   reads them.
+
+So every draft conditions on the drafts before it on its own path: a tree node is expanded
+with the continuation of its own token, not with independent heads' guesses.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mtp.decoding.drafters import Drafter
+from mtp.decoding.engine import Context, Proposal, Verified
+from mtp.decoding.sampling import multinomial
+from mtp.decoding.tree import Tree, TreeTensors
+from mtp.model import MTPTransformer
+
+__all__ = ["ChainHeads"]
+
+
+class ChainHeads(Drafter):
+    """Chained heads 2..heads draft a chain (tree=None) or a tree of their own continuations."""
+
+    def __init__(self, model: MTPTransformer, heads: int, tree: Tree | None = None) -> None:
+        if model.head_layers[0] is not None:
+            raise ValueError("chained drafting needs a head 1 that keeps no cache")
+        self.model, self.depths = model, heads - 1
+        self.tree = None if tree is None else tree.pruned(heads - 1)
+        self.top = max(self.tree.widths(), default=1) if self.tree is not None else 1
+        self.max_drafts = self.depths if self.tree is None else self.tree.depth
+        self.by_depth: dict[int, TreeTensors] = {}
+
+    @property
+    def slots_needed(self) -> int:
+        """Cache slots a round uses past the committed ones (verify and scratch alike)."""
+        return (self.max_drafts if self.tree is None else len(self.tree.paths) - 1) + 1
+
+    # -- state -------------------------------------------------------------------------------
+    def start(self, ctx, prompts, trunk, pending) -> None:
+        h, rope = trunk
+        b, s = len(prompts), ctx.cache.max_len
+        d = h.shape[-1]
+        # out[j][b, q]: depth j's output at position q (depth 0: head 1's, on the trunk output)
+        self.out = h.new_zeros(self.depths + 1, b, s, d)
+        self.out[0, :, : h.shape[1]] = self.model.head_output(0, h, rope)
+        self.tokens = torch.zeros(b, s + 1, dtype=torch.long, device=h.device)
+        for i, p in enumerate(prompts):
+            self.tokens[i, : len(p)] = torch.tensor(p, device=h.device)
+            self.tokens[i, len(p)] = pending[i]
+        self.final = torch.zeros(self.depths + 1, b, dtype=torch.long, device=h.device)
+
+    def keep(self, idx) -> None:
+        self.out, self.tokens, self.final = self.out[:, idx], self.tokens[idx], self.final[:, idx]
+
+    def commit(self, ctx: Context, v: Verified) -> None:
+        """Record the committed tokens, the verifier's next token and head 1's output at each."""
+        h, rope = v.trunk
+        lengths = ctx.cache.lengths
+        rows = torch.arange(len(lengths), device=h.device)[:, None]
+        pos = lengths[:, None] + torch.arange(v.path.shape[1], device=h.device)  # (B, t)
+        # Padding repeats the last committed node: it lands past the new length, unread.
+        h_path = h.gather(1, v.path[..., None].expand(-1, -1, h.shape[-1]))
+        idx = v.path[:, None, :, None].expand(-1, 1, -1, rope[0].shape[-1])
+        rope_path = tuple(r.gather(2, idx) for r in rope)
+        self.out[0][rows, pos] = self.model.head_output(0, h_path, rope_path)
+        self.tokens[rows, pos] = v.proposal.tokens.gather(1, v.path)
+        self.tokens[rows[:, 0], lengths + v.accepted + 1] = v.next_token
+
+    # -- a round -----------------------------------------------------------------------------
+    def propose(self, ctx, pending, n) -> Proposal:
+        if n == 0:
+            return Proposal(pending[:, None], 0)
+        for j in range(1, n + 1):
+            self._catch_up(ctx, j)
+        ctx.timer.lap("draft")
+        if n not in self.by_depth:
+            tree = Tree.from_widths([1] * n) if self.tree is None else self.tree.pruned(n)
+            self.by_depth[n] = TreeTensors.build(tree, pending.device)
+        tokens, q = self._grow(ctx, pending, self.by_depth[n], n)
+        ctx.timer.lap("draft")
+        if self.tree is None:
+            return Proposal(tokens, n, q=q)
+        return Proposal(tokens, n, tree=self.by_depth[n])
+
+    def _run(self, ctx: Context, j: int, x, tokens, positions, slots, mask) -> torch.Tensor:
+        """Depth j over cells at `positions` (B, T): inputs x (B, T, d) and `tokens` (B, T);
+        keys and values land at `slots` of its cache layer. Returns its outputs (B, T, d)."""
+        rope = self.model.rotary(positions)
+        return self.model.head_output(j, x, rope, tokens=tokens, cache=ctx.cache, slots=slots,
+                                      mask=mask)
+
+    def _catch_up(self, ctx: Context, j: int) -> None:
+        """Depth j over its cells that became final since it last ran."""
+        lengths = ctx.cache.lengths
+        start, stop = self.final[j], lengths - j + 1  # final cells: q < stop
+        m = int((stop - start).max())
+        if m <= 0:
+            return
+        # Rows with fewer new cells repeat their last one (same inputs, same keys and values);
+        # a row with none recomputes a cell it holds already, or a non-final one at q = 0.
+        q = torch.minimum(start[:, None] + torch.arange(m, device=start.device),
+                          (stop - 1)[:, None]).clamp(min=0)  # (B, m)
+        rows = torch.arange(len(q), device=q.device)[:, None]
+        mask = (torch.arange(int(q.max()) + 1, device=q.device) <= q[..., None])[:, None]
+        out = self._run(ctx, j, self.out[j - 1][rows, q], self.tokens[rows, q + j], q, q, mask)
+        self.out[j][rows, q] = out
+        self.final[j] = torch.maximum(start, stop.clamp(min=0))
+
+    def _children(self, ctx: Context, hidden: torch.Tensor, width: int):
+        """Children of nodes with depth outputs `hidden` (B, T, d): their top-`width` tokens
+        (B, T, width), and for a sampled chain the draws' distribution (B, T, V)."""
+        logits = self.model.unembed(self.model.norm(hidden))
+        if self.tree is not None:
+            return logits.topk(width, dim=-1).indices, None
+        if ctx.sampling.greedy:
+            return logits.argmax(-1, keepdim=True), None
+        q = ctx.sampling.probs(logits)
+        return multinomial(q, ctx.generator)[..., None], q
+
+    def _grow(self, ctx: Context, pending: torch.Tensor, tt: TreeTensors, n: int):
+        """The tree's tokens (B, N+1), level by level, and for a sampled chain q (B, n, V)."""
+        lengths = ctx.cache.lengths
+        b, nodes = len(lengths), len(tt.depth)
+        dev = pending.device
+        rows = torch.arange(b, device=dev)[:, None]
+        tokens = pending[:, None].repeat(1, nodes)  # every node's token, root = pending
+        # out_at[j][:, m]: node m's cell at depth j. The root's cells (j, L - j) are final.
+        out_at = {j: self.out[j][rows[:, 0], (lengths - j).clamp(min=0)][:, None].repeat(
+            1, nodes, 1) for j in range(n + 1)}
+        level_of = tt.depth.tolist()
+        qs = []
+        for level in range(n):
+            members = [m for m in range(nodes) if level_of[m] == level]
+            idx = torch.tensor(members, device=dev)
+            if level:  # the level's own cells, at depths level + 1..n
+                for j in range(level + 1, n + 1):
+                    pos = (lengths - j + level)[:, None].expand(-1, len(members))
+                    slots = self.final[j][:, None] + idx - 1  # scratch past the final cells
+                    x = out_at[j - 1][:, tt.parent[idx]]
+                    mask = self._scratch_mask(tt, idx, j, lengths, nodes)
+                    out_at[j][:, idx] = self._run(ctx, j, x, tokens[:, idx], pos.clamp(min=0),
+                                                  slots, mask)
+            width = self.top if self.tree is not None else 1
+            kids, q = self._children(ctx, out_at[level + 1][:, idx], width)
+            if q is not None:
+                qs.append(q[:, 0])
+            child = [c for c in range(nodes) if level_of[c] == level + 1]
+            if child:
+                cidx = torch.tensor(child, device=dev)
+                where = {m: i for i, m in enumerate(members)}
+                parent_pos = torch.tensor([where[int(tt.parent[c])] for c in child], device=dev)
+                tokens[:, cidx] = kids[:, parent_pos, tt.rank[cidx]]
+        return tokens, (torch.stack(qs, 1) if qs else None)
+
+    def _scratch_mask(self, tt: TreeTensors, idx: torch.Tensor, j: int, lengths: torch.Tensor,
+                      nodes: int) -> torch.Tensor:
+        """Attention mask (B, 1, T, S) of depth-j cells of nodes `idx`: depth j's final slots,
+        and the scratch slots of the node's ancestors' (and its own) depth-j cells that exist
+        (position >= 0)."""
+        first = self.final[j]  # (B,) scratch slot of node m is first + m - 1
+        s = int(first.max()) + nodes - 1
+        slot = torch.arange(s, device=first.device)
+        rel = slot[None] - first[:, None] + 1  # (B, S): the node whose scratch slot it is
+        inside = (rel >= 1) & (rel < nodes)
+        node = rel.clamp(1, nodes - 1)
+        # a cell (j, L - j + level) exists only at positions >= 0
+        exists = (lengths[:, None] - j + tt.depth[node]) >= 0  # (B, S)
+        anc = tt.ancestors[idx][:, node]  # (T, B, S)
+        own = idx[:, None, None] == node[None]  # its own cell: never a row with nothing to see
+        see = inside[None] & ((anc & exists[None]) | own)
+        return ((rel < 1)[None] | see).transpose(0, 1)[:, None]

@@ -1,0 +1,173 @@
+"""Every decoder with every head type, and the chained (deepseek) drafter against the model's
+own teacher-forced forward. Block heads are covered the same way in tests/test_decoding.py."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from decoding_helpers import (
+    N_NEW,
+    N_SAMPLES,
+    SAMPLING,
+    V_TINY,
+    cell,
+    chi2_pvalue,
+    cyclic_prompts,
+    random_model,
+    random_prompts,
+    tiny_model,
+    train_cyclic,
+)
+
+from mtp.decoding import Tree, chain, generate
+
+torch.set_num_threads(1)
+
+OTHER_TYPES = ["linear", "medusa", "deepseek"]
+DECODERS = [
+    ("self-spec", {}),
+    ("self-spec", {"heads": 3}),
+    ("self-spec", {"adaptive": True}),
+    ("tree", {}),
+    ("tree", {"tree": Tree.from_widths([3, 2, 2])}),
+]
+
+
+@functools.cache
+def _trained(head_type: str):
+    """(full, early) models of one head type trained on the cyclic stream. Chained heads learn
+    the cycle within a few steps, so their early snapshot is taken sooner."""
+    return train_cyclic(steps=120, snapshot=2 if head_type == "deepseek" else 9,
+                        head_type=head_type)
+
+
+@pytest.fixture(params=OTHER_TYPES)
+def trained(request):
+    return _trained(request.param)
+
+
+@pytest.fixture
+def deepseek_trained():
+    return _trained("deepseek")
+
+
+@pytest.mark.parametrize("head_type", OTHER_TYPES)
+@pytest.mark.parametrize(("decoder", "kwargs"), [DECODERS[0], DECODERS[3]])
+def test_speculative_greedy_equals_greedy_random_model(head_type, decoder, kwargs):
+    model = random_model(head_type=head_type)
+    prompts = random_prompts(16, model.cfg.vocab_size, seed=3)
+    ref, _ = generate(model, prompts, 40)
+    out, _ = generate(model, prompts, 40, decoder=decoder, **kwargs)
+    assert out == ref
+
+
+@pytest.mark.parametrize(("decoder", "kwargs"), DECODERS)
+def test_speculative_greedy_equals_greedy_with_acceptance(trained, decoder, kwargs):
+    rejected, per_forward = 0, []
+    for model in trained:
+        prompts = cyclic_prompts(model, 16, seed=4)
+        ref, _ = generate(model, prompts, 40)
+        out, stats = generate(model, prompts, 40, decoder=decoder, **kwargs)
+        assert out == ref, model.cfg.head_type
+        rejected += stats.accepted[1] - len(prompts)  # rounds (besides prefills) of one token
+        per_forward.append(stats.tokens_per_forward)
+    # drafts were accepted (by the trained model, mostly) and rejected (by the early one)
+    assert per_forward[0] > 1.3 and rejected > 0, per_forward
+
+
+def test_draft_model_decoding_with_a_chained_target_and_draft(trained):
+    full, early = trained
+    prompts = cyclic_prompts(full, 8, seed=5)
+    ref, _ = generate(full, prompts, 32)
+    out, stats = generate(full, prompts, 32, decoder="draft", draft_model=early, gamma=3)
+    assert out == ref and stats.draft_forwards > 0
+
+
+@pytest.mark.parametrize(("decoder", "kwargs"), [("self-spec", {}),
+                                                 ("tree", {"tree": Tree.from_widths([2, 1, 1])})])
+def test_deepseek_speculative_sampling_is_exact(decoder, kwargs):
+    model, prompt, joint = tiny_model(head_type="deepseek")
+    out, stats = generate(model, [prompt] * N_SAMPLES, N_NEW, decoder=decoder,
+                          generator=torch.Generator().manual_seed(13), **SAMPLING, **kwargs)
+    counts = torch.bincount(cell(out), minlength=V_TINY**N_NEW)
+    assert chi2_pvalue(counts, joint) > 1e-3
+    assert stats.accepted[1] > N_SAMPLES and stats.accepted[-1] > 0
+
+
+def _teacher_forced(model, seq: list[int], head: int) -> torch.Tensor:
+    """Logits of head `head` (0-based) at the position before seq's last `head` tokens: the
+    model's plain forward, teacher-forced on seq (no cache, no drafter)."""
+    logits = model(torch.tensor([seq]))  # (K, 1, T, V)
+    return logits[head, 0, len(seq) - 1 - head]
+
+
+def test_deepseek_drafts_condition_on_their_own_drafts(deepseek_trained, monkeypatch):
+    """Every node of every round's tree is the right rank of the model's own distribution at
+    that depth given the node's path. Siblings at depth 2 hold different tokens, and their
+    depth-3 children differ: the depth-3 proposal follows the depth-2 draft."""
+    full, early = deepseek_trained
+    tree = Tree.from_widths([2, 2, 1])
+    seen, children_differ = 0, 0
+    proposals = []
+    propose = chain.ChainHeads.propose
+
+    def recording(self, ctx, pending, n):
+        prop = propose(self, ctx, pending, n)
+        seqs = [list(prompts[r]) + ctx.stopper.out[r] for r in ctx.rows]  # ends with pending
+        proposals.append((seqs, prop))
+        return prop
+
+    monkeypatch.setattr(chain.ChainHeads, "propose", recording)
+    for model in (early, full):
+        prompts = cyclic_prompts(model, 6, seed=7)
+        proposals.clear()
+        generate(model, prompts, 24, decoder="tree", tree=tree)
+        for seqs, prop in proposals:
+            if prop.n == 0:
+                continue
+            tt = prop.tree
+            for b, seq in enumerate(seqs):
+                assert prop.tokens[b, 0] == seq[-1]
+                for m in range(1, len(tt.depth)):
+                    path = [int(prop.tokens[b, a]) for a in tt.path[m].unique_consecutive()]
+                    # node m at depth l holds rank r of head l + 1 given the path above it
+                    level, rank = int(tt.depth[m]), int(tt.rank[m])
+                    ref = _teacher_forced(model, seq + path[1:-1], level)
+                    best = ref.sort(descending=True).values
+                    assert abs(ref[path[-1]] - best[rank]) < 1e-4, (b, m)
+                    seen += 1
+                # the depth-3 nodes under the two depth-2 siblings of the first branch
+                kids = [int(prop.tokens[b, m]) for m in range(len(tt.depth))
+                        if int(tt.depth[m]) == 3 and int(tt.path[m][1]) == 1]
+                children_differ += len(kids) == 2 and kids[0] != kids[1]
+    assert seen > 100 and children_differ > 0
+
+
+def test_deepseek_chain_drafts_are_the_teacher_forced_chain(deepseek_trained, monkeypatch):
+    """A chain's drafts d1, d2, ...: d_i is head i + 1's argmax given pending, d1 .. d_(i-1),
+    in rounds after accepted and rejected drafts and with rows of different lengths."""
+    full, early = deepseek_trained
+    checked = 0
+    propose = chain.ChainHeads.propose
+
+    def checking(self, ctx, pending, n):
+        nonlocal checked
+        prop = propose(self, ctx, pending, n)
+        for b, r in enumerate(ctx.rows):
+            seq = list(prompts[r]) + ctx.stopper.out[r]
+            drafts = prop.tokens[b, 1:].tolist()
+            for i, d in enumerate(drafts, start=1):
+                ref = _teacher_forced(model, seq + drafts[: i - 1], i)
+                assert ref[d] >= ref.max() - 1e-4
+                checked += 1
+        return prop
+
+    monkeypatch.setattr(chain.ChainHeads, "propose", checking)
+    for model in (early, full):
+        prompts = cyclic_prompts(model, 6, seed=8) + [[3]]  # a prompt shorter than the chain
+        ref, _ = generate(model, prompts, 24)
+        out, _ = generate(model, prompts, 24, decoder="self-spec")
+        assert out == ref
+    assert checked > 100
