@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-from mtp.config import ConfigError, UserError, read_yaml_mapping
+from mtp.config import ConfigError, InputError, UserError, read_yaml_mapping
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -81,18 +81,23 @@ class ResultsCSV:
     """
 
     def __init__(self, path: str | os.PathLike, columns: Sequence[str],
-                 key: Sequence[str]) -> None:
+                 key: Sequence[str], defaults: dict[str, str] | None = None) -> None:
         self.path, self.columns, self.key = Path(path), list(columns), list(key)
+        self.defaults = dict(defaults or {})  # of columns an older CSV lacks
 
     def rows(self) -> list[dict[str, str]]:
         """Every finished run, as strings."""
         if not self.path.is_file():
             return []
         with open(self.path, newline="") as f:
-            return list(csv.DictReader(f))
+            return [{**self.defaults, **r} for r in csv.DictReader(f)]
+
+    def _header(self) -> list[str]:
+        with open(self.path, newline="") as f:
+            return next(csv.reader(f), [])
 
     def _key(self, row: dict) -> tuple[str, ...]:
-        return tuple(str(row[k]) for k in self.key)
+        return tuple(str(row.get(k, self.defaults.get(k, ""))) for k in self.key)
 
     def done(self) -> set[tuple[str, ...]]:
         """Keys of the finished runs (values as strings)."""
@@ -105,6 +110,10 @@ class ResultsCSV:
         """Write one finished run (missing columns stay empty)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         new = not self.path.is_file()
+        if not new and self._header() != self.columns:
+            # appending under another header would garble the rows already written
+            raise InputError(f"{self.path} holds results with other columns (an older version "
+                             "of this study): give another --out")
         with open(self.path, "a", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=self.columns, extrasaction="raise")
             if new:
@@ -162,6 +171,43 @@ def welch_t(a: Sequence[float], b: Sequence[float]) -> float:
         return float("nan")
     se = math.sqrt(sa["std"] ** 2 / sa["n"] + sb["std"] ** 2 / sb["n"])
     return (sa["mean"] - sb["mean"]) / se if se > 0 else float("nan")
+
+
+def permutation_p(a: Sequence[float], b: Sequence[float]) -> float:
+    """Exact two-sided permutation test of mean(a) - mean(b): the share of the ways to split the
+    pooled values into groups of len(a) and len(b) whose difference of means is at least as
+    large in size as the observed one. No assumption about the distribution; with n values per
+    group the smallest possible p is 2 / C(2n, n) (0.1 for n = 3, 0.008 for n = 5)."""
+    import itertools
+
+    a, b = [v for v in a if not math.isnan(v)], [v for v in b if not math.isnan(v)]
+    if not a or not b:
+        return float("nan")
+    pooled, n = a + b, len(a)
+    observed = abs(sum(a) / n - sum(b) / len(b))
+    hits = total = 0
+    for idx in itertools.combinations(range(len(pooled)), n):
+        chosen = set(idx)
+        x = [pooled[i] for i in idx]
+        y = [pooled[i] for i in range(len(pooled)) if i not in chosen]
+        hits += abs(sum(x) / n - sum(y) / len(y)) >= observed - 1e-12
+        total += 1
+    return hits / total
+
+
+def bootstrap_ci(a: Sequence[float], b: Sequence[float], *, reps: int = 10000,
+                 seed: int = 0) -> tuple[float, float]:
+    """95% percentile bootstrap interval of mean(a) - mean(b), each group resampled with
+    replacement on its own (fixed seed: a report rebuilt from its CSV prints the same)."""
+    import random
+
+    a, b = [v for v in a if not math.isnan(v)], [v for v in b if not math.isnan(v)]
+    if not a or not b:
+        return float("nan"), float("nan")
+    rng = random.Random(seed)
+    diffs = sorted(sum(rng.choices(a, k=len(a))) / len(a) - sum(rng.choices(b, k=len(b))) / len(b)
+                   for _ in range(reps))
+    return diffs[int(0.025 * reps)], diffs[int(0.975 * reps) - 1]
 
 
 def pm(stats: dict[str, float], digits: int = 3) -> str:

@@ -29,6 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import head_report  # noqa: E402
 import yaml  # noqa: E402
 from common import (  # noqa: E402 (the script's directory must be on the path first)
     REPO,
@@ -53,11 +54,30 @@ from common import (  # noqa: E402 (the script's directory must be on the path f
 from mtp.config import InputError  # noqa: E402
 
 MAX_K = 8
-COLUMNS = ["K", "seed", "params", "steps", "next_token_loss", "val_loss_mean",
-           *[f"loss_head{i}" for i in range(1, MAX_K + 1)], "acc_head1", "humaneval_pass@1",
-           "mbpp_pass@1", "humaneval_tasks", "mbpp_tasks", "spec_L", "greedy_ms_per_token",
-           "spec_ms_per_token", "spec_speedup", "spec_identical", "fit_s", "eval_s"]
-KEY = ["K", "seed"]
+#: The columns of results.csv before head types were an axis (every run had block heads).
+BLOCK_COLUMNS = ["K", "seed", "params", "steps", "next_token_loss", "val_loss_mean",
+                 *[f"loss_head{i}" for i in range(1, MAX_K + 1)], "acc_head1",
+                 "humaneval_pass@1", "mbpp_pass@1", "humaneval_tasks", "mbpp_tasks", "spec_L",
+                 "greedy_ms_per_token", "spec_ms_per_token", "spec_speedup", "spec_identical",
+                 "fit_s", "eval_s"]
+#: With `--head-types`: the head type, head 1's depth in blocks, the acceptance rate of each
+#: draft position and the speedup against the K = 1 model's greedy decoding too.
+HEAD_COLUMNS = ["head_type", *BLOCK_COLUMNS[:3], "head1_depth", *BLOCK_COLUMNS[3:-2],
+                *[f"accept_pos{i}" for i in range(1, MAX_K)], "k1_greedy_ms_per_token",
+                "spec_speedup_vs_k1", *BLOCK_COLUMNS[-2:]]
+KEY = ["head_type", "K", "seed"]
+#: Heads that are blocks, into which matched parameters move trunk blocks.
+BLOCK_HEADS = ("block", "deepseek")
+
+
+def results(out: Path, head_types: list[str]) -> ResultsCSV:
+    """The study's CSV: the original columns for a sweep of block heads, more with head types."""
+    columns = BLOCK_COLUMNS if head_types == ["block"] else HEAD_COLUMNS
+    return ResultsCSV(out / "results.csv", columns, KEY, defaults={"head_type": "block"})
+
+
+def run_dir_name(head_type: str, k: int, seed: int) -> str:
+    return f"K{k}-s{seed}" if head_type == "block" else f"{head_type}-K{k}-s{seed}"
 
 
 # -- configuration -----------------------------------------------------------------------------
@@ -71,18 +91,27 @@ def _deep_merge(base: dict, over: dict) -> dict:
     return out
 
 
-def run_fit_config(preset: dict, k: int, seed: int, run_dir: Path) -> dict:
+def run_fit_config(preset: dict, k: int, seed: int, run_dir: Path,
+                   head_type: str = "block") -> dict:
     """The complete `mtp fit` YAML of one run: base config + preset overrides + K and seed.
 
-    Only the model's K, the seeds and where logs go differ between runs of a sweep; the data,
-    the model's total blocks (matched parameters) and the optimisation are the same.
+    Only the model's K and head type, the seeds and where logs go differ between runs of a
+    sweep; the data, the model's total blocks and the optimisation are the same. Block and
+    deepseek heads get matched parameters (K - 1 trunk blocks move into the heads); linear and
+    medusa heads hold no block, so their trunk keeps all `n_layers + 1` blocks, and their K
+    d x d maps are the parameters they add.
     """
     with open(REPO / preset["fit_config"]) as f:
         cfg = yaml.safe_load(f)
     cfg = _deep_merge(cfg, preset.get("fit", {}))
+    model: dict = {"n_future": k, "matched_params": head_type in BLOCK_HEADS}
+    if head_type != "block":
+        model["head_type"] = head_type
+    if head_type not in BLOCK_HEADS:
+        model["n_layers"] = cfg["model"]["n_layers"] + 1
     cfg = _deep_merge(cfg, {
         "seed_everything": seed,
-        "model": {"n_future": k, "matched_params": True},
+        "model": model,
         "data": {"seed": seed},
         "trainer": {
             "default_root_dir": str(run_dir),
@@ -113,18 +142,19 @@ def last_checkpoint(run_dir: Path) -> Path | None:
 # -- one run -----------------------------------------------------------------------------------
 
 
-def train(preset: dict, k: int, seed: int, run_dir: Path) -> float:
-    """Train one (K, seed) model through `mtp fit` unless it already finished; wall seconds."""
+def train(preset: dict, k: int, seed: int, run_dir: Path, head_type: str = "block") -> float:
+    """Train one (head type, K, seed) model through `mtp fit` unless it already finished; wall
+    seconds."""
     done = run_dir / "fit_done.json"
     if done.is_file():
         return json.loads(done.read_text())["seconds"]
     from mtp.cli import main as mtp_main
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    cfg = run_fit_config(preset, k, seed, run_dir)
+    cfg = run_fit_config(preset, k, seed, run_dir, head_type)
     (run_dir / "fit.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
     argv = fit_argv(run_dir)
-    print(f"[k_sweep] K={k} seed={seed}: mtp {' '.join(argv)}", flush=True)
+    print(f"[k_sweep] {head_type} K={k} seed={seed}: mtp {' '.join(argv)}", flush=True)
     start = time.perf_counter()
     status = mtp_main(argv)
     seconds = time.perf_counter() - start
@@ -186,58 +216,96 @@ def pass_at_1(ckpt: Path, benchmark: str, out_dir: Path, ev: dict) -> tuple[floa
     return float(summary["pass@1"]), int(summary["n_tasks"])
 
 
-def speculative(model, dm, ev: dict, eot_id: int | None) -> dict:
-    """L, ms per token and wall-clock speedup of self-speculative vs greedy decoding (batch 1).
+def speculative(model, dm, ev: dict, eot_id: int | None, baseline=None) -> dict:
+    """L, per-position acceptance and speedups of self-speculative decoding (batch 1).
 
-    Prompts are the starts of validation windows (code the model has not trained on). Each
-    decoder runs once on the first prompt before timing, so one-time costs are not counted.
+    Prompts are the starts of validation windows (code the model has not trained on). Timing is
+    interleaved: for every prompt, `spec_repeat` rounds each run greedy, self-spec and, given
+    `baseline` (the K = 1 model), its greedy, in an order that rotates from round to round and
+    prompt to prompt, so load on the machine falls on all of them alike. A decoder's time on a
+    prompt is the median of its rounds; its ms per token is the sum of those medians over the
+    tokens it emitted. Each decoder runs once on the first prompt before timing, so one-time
+    costs are not counted.
     """
+    import statistics
+
     from mtp.decoding import DecodeStats, generate
 
-    n, plen = ev["spec_prompts"], ev["spec_prompt_tokens"]
+    n, plen, new = ev["spec_prompts"], ev["spec_prompt_tokens"], ev["spec_new_tokens"]
     stride = max(1, len(dm.val_set) // n)
     prompts = [dm.val_set[i * stride][:plen].tolist() for i in range(n)]
-    decoders = ["greedy"] + (["self-spec"] if model.cfg.n_future > 1 else [])
-    outputs, stats = {}, {}
-    for dec in decoders:
-        generate(model, prompts[:1], ev["spec_new_tokens"], decoder=dec, eot_id=eot_id)
-        total, outs = DecodeStats(), []
-        for p in prompts:
-            new, s = generate(model, [p], ev["spec_new_tokens"], decoder=dec, eot_id=eot_id)
-            outs.append(new[0])
-            total.add(s)
-        outputs[dec], stats[dec] = outs, total
-    g = stats["greedy"]
-    if len(decoders) == 1:
+    runs = {"greedy": (model, "greedy")}
+    if model.cfg.n_future > 1:
+        runs["self-spec"] = (model, "self-spec")
+    if baseline is not None:
+        runs["k1"] = (baseline, "greedy")
+    names = list(runs)
+    for m, dec in runs.values():
+        generate(m, prompts[:1], new, decoder=dec, eot_id=eot_id)
+    seconds = dict.fromkeys(names, 0.0)
+    tokens = dict.fromkeys(names, 0)
+    outputs = {name: [] for name in names}
+    stats = {name: DecodeStats() for name in names}
+    for pi, p in enumerate(prompts):
+        rounds = {name: [] for name in names}
+        for r in range(ev.get("spec_repeat", 1)):
+            shift = (pi + r) % len(names)
+            for name in names[shift:] + names[:shift]:
+                m, dec = runs[name]
+                out, st = generate(m, [p], new, decoder=dec, eot_id=eot_id)
+                rounds[name].append(st.seconds)
+                if r == 0:
+                    outputs[name].append(out[0])
+                    stats[name].add(st)
+                    tokens[name] += len(out[0])
+        for name in names:
+            seconds[name] += statistics.median(rounds[name])
+    ms = {name: 1000 * seconds[name] / max(1, tokens[name]) for name in names}
+    row = {"spec_L": stats["greedy"].tokens_per_forward, "greedy_ms_per_token": ms["greedy"]}
+    if "k1" in ms:
+        row["k1_greedy_ms_per_token"] = ms["k1"]
+    if "self-spec" not in runs:
         # K = 1 has no draft heads: L is that of greedy decoding, and there is no speedup.
-        return {"spec_L": g.tokens_per_forward, "greedy_ms_per_token": g.ms_per_token}
+        return row
     s = stats["self-spec"]
-    return {"spec_L": s.tokens_per_forward, "greedy_ms_per_token": g.ms_per_token,
-            "spec_ms_per_token": s.ms_per_token, "spec_speedup": g.ms_per_token / s.ms_per_token,
+    row |= {"spec_L": s.tokens_per_forward, "spec_ms_per_token": ms["self-spec"],
+            "spec_speedup": ms["greedy"] / ms["self-spec"],
             "spec_identical": int(outputs["greedy"] == outputs["self-spec"])}
+    row |= {f"accept_pos{i + 1}": a for i, a in enumerate(s.acceptance)}
+    if "k1" in ms:
+        row["spec_speedup_vs_k1"] = ms["k1"] / ms["self-spec"]
+    return row
 
 
-def evaluate(preset: dict, k: int, seed: int, run_dir: Path) -> dict:
-    """Every measurement of one trained run (see the module docstring)."""
+def evaluate(preset: dict, k: int, seed: int, run_dir: Path, head_type: str = "block",
+             baseline: Path | None = None) -> dict:
+    """Every measurement of one trained run (see the module docstring); `baseline` is the K = 1
+    run's checkpoint, whose greedy decoding self-speculation is also timed against."""
     import torch
 
     from mtp.checkpoint import load_checkpoint
     from mtp.config import DataConfig
     from mtp.data import build_datamodule
+    from mtp.layers import Block
     from mtp.vocab import eot_id
 
     ev = preset["eval"]
     ckpt = last_checkpoint(run_dir)
     model, tokenizer = load_checkpoint(ckpt, device=ev["device"])
     cfg = yaml.safe_load((run_dir / "fit.yaml").read_text())
-    row: dict = {"params": model.num_params(), "steps": cfg["trainer"]["max_steps"]}
+    # head 1's path: the trunk's blocks and those of head 1 itself
+    depth = model.cfg.n_trunk_layers + sum(isinstance(m, Block) for m in model.heads[0].modules())
+    row: dict = {"head_type": head_type, "params": model.num_params(),
+                 "steps": cfg["trainer"]["max_steps"], "head1_depth": depth}
+    base = None if baseline is None or k == 1 else load_checkpoint(baseline,
+                                                                   device=ev["device"])[0]
     start = time.perf_counter()
     with torch.no_grad():
         dm = build_datamodule(DataConfig(**cfg["data"]), vocab_size=model.cfg.vocab_size,
                               n_future=k)
         dm.setup("validate")
         row |= validation_losses(model, dm, n_val_windows(dm, preset), cfg["data"]["batch_size"])
-        row |= speculative(model, dm, ev, eot_id(tokenizer, model.cfg))
+        row |= speculative(model, dm, ev, eot_id(tokenizer, model.cfg), base)
     for bench in ("humaneval", "mbpp"):
         score, n = pass_at_1(ckpt, bench, run_dir / "eval" / bench, ev)
         row[f"{bench}_pass@1"], row[f"{bench}_tasks"] = score, n
@@ -245,26 +313,60 @@ def evaluate(preset: dict, k: int, seed: int, run_dir: Path) -> dict:
     return row
 
 
-def run(preset: dict, out: Path, work: Path) -> None:
-    """Train and evaluate every (K, seed) that `<out>/results.csv` does not hold yet."""
-    csv = ResultsCSV(out / "results.csv", COLUMNS, KEY)
-    for k in preset["ks"]:
-        for seed in preset["seeds"]:
-            if csv.is_done(K=k, seed=seed):
-                print(f"[k_sweep] K={k} seed={seed}: done, skipped", flush=True)
-                continue
-            run_dir = work / f"K{k}-s{seed}"
-            fit_s = train(preset, k, seed, run_dir)
-            row = {"K": k, "seed": seed, "fit_s": fit_s} | evaluate(preset, k, seed, run_dir)
-            csv.append(row)
-            log_hparams(work / "hparams" / f"K{k}-s{seed}",
-                        {"K": k, "seed": seed, "params": row["params"], "steps": row["steps"]},
-                        {m: row.get(m, float("nan")) for m in (
-                            "next_token_loss", "val_loss_mean", "humaneval_pass@1",
-                            "mbpp_pass@1", "spec_L", "spec_speedup")})
-            print(f"[k_sweep] K={k} seed={seed}: next-token loss {row['next_token_loss']:.3f}, "
-                  f"L {row['spec_L']:.2f}, fit {fit_s:.0f} s, eval {row['eval_s']:.0f} s",
-                  flush=True)
+def plan(preset: dict, head_types: list[str]) -> list[tuple[str, int, int]]:
+    """Every (head type, K, seed) of a sweep. K = 1 is the next-token baseline: one head, the
+    same model for block and deepseek heads, so it runs once, with block heads."""
+    runs = [("block", 1, s) for s in preset["seeds"] if 1 in preset["ks"]]
+    return runs + [(h, k, s) for h in head_types for k in preset["ks"] if k > 1
+                   for s in preset["seeds"]]
+
+
+def _train_job(job: tuple) -> float:
+    """`train` in a worker process of `--jobs`, on one CPU thread."""
+    single_thread()
+    return train(*job)
+
+
+def run(preset: dict, out: Path, work: Path, head_types: list[str] | None = None,
+        jobs: int = 1) -> None:
+    """Train and evaluate every run that `<out>/results.csv` does not hold yet.
+
+    Training comes first, `jobs` runs at a time; evaluation then runs one run at a time, so no
+    training of the study runs beside a timed decode.
+    """
+    head_types = head_types or ["block"]
+    csv = results(out, head_types)
+    todo = []
+    for h, k, seed in plan(preset, head_types):
+        if csv.is_done(head_type=h, K=k, seed=seed):
+            print(f"[k_sweep] {h} K={k} seed={seed}: done, skipped", flush=True)
+        else:
+            todo.append((h, k, seed))
+    jobs_args = [(preset, k, seed, work / run_dir_name(h, k, seed), h) for h, k, seed in todo]
+    if jobs > 1 and len(todo) > 1:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            fit_s = list(pool.map(_train_job, jobs_args))
+    else:
+        fit_s = [train(*a) for a in jobs_args]
+    timed_vs_k1 = "spec_speedup_vs_k1" in csv.columns
+    for (h, k, seed), seconds in zip(todo, fit_s):
+        run_dir = work / run_dir_name(h, k, seed)
+        baseline = last_checkpoint(work / run_dir_name("block", 1, seed)) if timed_vs_k1 else None
+        row = {"K": k, "seed": seed, "fit_s": seconds} | evaluate(preset, k, seed, run_dir, h,
+                                                                  baseline)
+        csv.append({c: v for c, v in row.items() if c in csv.columns})
+        log_hparams(work / "hparams" / run_dir_name(h, k, seed),
+                    {"head_type": h, "K": k, "seed": seed, "params": row["params"],
+                     "steps": row["steps"]},
+                    {m: row.get(m, float("nan")) for m in (
+                        "next_token_loss", "val_loss_mean", "humaneval_pass@1",
+                        "mbpp_pass@1", "spec_L", "spec_speedup")})
+        print(f"[k_sweep] {h} K={k} seed={seed}: next-token loss {row['next_token_loss']:.3f}, "
+              f"L {row['spec_L']:.2f}, fit {seconds:.0f} s, eval {row['eval_s']:.0f} s",
+              flush=True)
 
 
 # -- report ------------------------------------------------------------------------------------
@@ -272,7 +374,7 @@ def run(preset: dict, out: Path, work: Path) -> None:
 
 def report(out: Path, preset: dict, command: str, note: str = "") -> str:
     """Write `<out>/README.md` and the loss / L / speedup plots from `<out>/results.csv`."""
-    rows = ResultsCSV(out / "results.csv", COLUMNS, KEY).rows()
+    rows = results(out, ["block"]).rows()
     if not rows:
         raise InputError(f"no results in {out / 'results.csv'} (run the study without "
                          "--report-only first)")
@@ -443,6 +545,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="checkpoints, logs and TensorBoard summaries (not committed)")
     parser.add_argument("--ks", default=None, help="override the preset's K values: 1,2,4,8")
     parser.add_argument("--seeds", default=None, help="override the preset's seeds: 0,1,2")
+    parser.add_argument("--head-types", default=None,
+                        help="compare head types at K > 1, e.g. block,linear,medusa,deepseek "
+                             "(default: the preset's `head_types`, else block)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="runs trained at a time, each on one CPU thread (evaluation and "
+                             "its timings run one at a time afterwards)")
     parser.add_argument("--note", default="", help="a line added to the report")
     parser.add_argument("--report-only", action="store_true")
     args = parser.parse_args(argv)
@@ -452,10 +560,29 @@ def main(argv: list[str] | None = None) -> int:
         preset["ks"] = parse_int_list(args.ks)
     if args.seeds:
         preset["seeds"] = parse_int_list(args.seeds)
+    head_types = parse_head_types(args.head_types or preset.get("head_types") or ["block"])
+    if args.jobs < 1:
+        raise InputError(f"--jobs must be >= 1 (got {args.jobs})")
     if not args.report_only:
-        run(preset, args.out, args.work)
-    print(report(args.out, preset, command_line(), args.note))
+        run(preset, args.out, args.work, head_types, args.jobs)
+    if head_types == ["block"]:
+        print(report(args.out, preset, command_line(), args.note))
+    else:
+        print(head_report.report(args.out, preset, head_types, command_line(),
+                                 results(args.out, head_types).rows(), args.note))
     return 0
+
+
+def parse_head_types(value: str | list[str]) -> list[str]:
+    """`--head-types` as a list, each one a `--model.head_type`."""
+    from mtp.config import HEAD_TYPES
+
+    types = value.split(",") if isinstance(value, str) else list(value)
+    bad = [t for t in types if t not in HEAD_TYPES]
+    if bad or not types:
+        raise InputError(f"--head-types {','.join(types)}: unknown {', '.join(bad) or 'none'}; "
+                         f"choose from {', '.join(HEAD_TYPES)}")
+    return types
 
 
 if __name__ == "__main__":

@@ -305,7 +305,7 @@ def test_a_malformed_preset_is_named(tmp_path, capsys, text, why):
 
 def test_an_unknown_preset_names_the_known_ones(capsys):
     assert common.study_main(lambda: k_sweep.main(["--preset", "nonsense"])) == 2
-    assert "--preset nonsense: no such preset for k_sweep (known: cpu, gpu)" in \
+    assert "--preset nonsense: no such preset for k_sweep (known: cpu, gpu, heads_cpu)" in \
         capsys.readouterr().err
 
 
@@ -330,3 +330,63 @@ def test_environment_names_uncommitted_code_but_not_the_studys_own_outputs(tmp_p
     assert "uncommitted" in common.environment()
     (repo / "code.py").write_text("x = 2\n")
     assert "uncommitted" in common.environment(repo / "out")
+
+
+def test_k_sweep_compares_head_types(tiny_corpus, tmp_path, monkeypatch):
+    preset = {
+        "fit_config": "configs/debug.yaml",
+        "fit": {"trainer": {"max_steps": 4, "val_check_interval": 2, "limit_val_batches": 1,
+                            "devices": 1, "accelerator": "cpu", "enable_progress_bar": False},
+                "data": {"source": str(tiny_corpus), "cache_dir": str(tmp_path / "cache"),
+                         "max_documents": None, "val_fraction": 0.2, "seq_len": 16,
+                         "batch_size": 4},
+                "model": {"vocab_size": 300, "n_layers": 2, "max_seq_len": 64}},
+        "ks": [1, 3], "seeds": [0],
+        "eval": {"device": "cpu", "val_windows": 4, "humaneval_limit": 0, "mbpp_limit": 0,
+                 "max_new_tokens": 4, "batch_size": 2, "workers": 1, "spec_prompts": 2,
+                 "spec_prompt_tokens": 4, "spec_new_tokens": 6, "spec_repeat": 2},
+    }
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(preset))
+    out, work = tmp_path / "out", tmp_path / "work"
+    monkeypatch.setattr(k_sweep, "single_thread", lambda: None)
+    argv = ["--preset", str(path), "--out", str(out), "--work", str(work),
+            "--head-types", "deepseek,linear"]
+    assert k_sweep.main(argv) == 0
+    rows = {(r["head_type"], r["K"]): r for r in csv.DictReader(open(out / "results.csv"))}
+    assert sorted(rows) == [("block", "1"), ("deepseek", "3"), ("linear", "3")]
+    d = 32  # configs/debug.yaml
+    base = int(rows["block", "1"]["params"])
+    # deepseek: matched blocks plus two modules' projections and norm gains; linear: the K = 1
+    # trunk's blocks plus one of its own, and three d x d maps instead of the head block
+    assert int(rows["deepseek", "3"]["params"]) == base + 2 * (2 * d * d + 2 * d)
+    assert rows["block", "1"]["head1_depth"] == "3" and rows["deepseek", "3"]["head1_depth"] == "1"
+    assert rows["linear", "3"]["head1_depth"] == "3"
+    for key in (("deepseek", "3"), ("linear", "3")):
+        r = rows[key]
+        # draft 1 was always offered (draft 2 only where draft 1 was accepted); K = 3 has two
+        assert r["spec_identical"] == "1" and r["accept_pos1"] != "" and r["accept_pos3"] == ""
+        assert float(r["spec_speedup_vs_k1"]) > 0
+    page = (out / "README.md").read_text()
+    assert "Acceptance of draft 2, deepseek vs linear heads" in page
+    assert "Bonferroni" in page and (out / "acceptance.png").stat().st_size > 0
+    with pytest.raises(InputError, match="--head-types block,beam: unknown beam"):
+        k_sweep.main([*argv[:-1], "block,beam"])
+
+
+def test_results_csv_refuses_to_append_under_another_header(tmp_path):
+    path = tmp_path / "results.csv"
+    path.write_text("K,seed\n1,0\n")
+    with pytest.raises(InputError, match="holds results with other columns"):
+        common.ResultsCSV(path, ["head_type", "K", "seed"], ["K", "seed"]).append(
+            {"head_type": "block", "K": 2, "seed": 0})
+    assert path.read_text() == "K,seed\n1,0\n"
+
+
+def test_permutation_and_bootstrap_statistics():
+    # every split of {1, 2, 3, 10, 11, 12} into halves: only the observed one and its mirror
+    # are as extreme, 2 of C(6, 3) = 20
+    assert common.permutation_p([10, 11, 12], [1, 2, 3]) == pytest.approx(0.1)
+    assert common.permutation_p([1, 2, 3], [1, 2, 3]) == 1.0
+    lo, hi = common.bootstrap_ci([10, 11, 12], [1, 2, 3])
+    assert 7 <= lo < 9 < hi <= 11
