@@ -58,9 +58,10 @@ def fixtures(root: Path) -> dict[str, str]:
 
     tok = train_tokenizer(["def add(a, b):\n    return a + b\n"] * 20, 300, 10**6)
     paths = {}
-    for name, k in (("K4", 4), ("K1", 1)):
+    for name, k, head_type in (("K4", 4, "block"), ("K1", 1, "block"), ("DS4", 4, "deepseek")):
         torch.manual_seed(k)
-        cfg = ModelConfig.from_name("debug", vocab_size=320, n_future=k, max_seq_len=64)
+        cfg = ModelConfig.from_name("debug", vocab_size=320, n_future=k, max_seq_len=64,
+                                    head_type=head_type)
         paths[name] = str(root / f"{name}.ckpt")
         save_checkpoint(paths[name], MTPTransformer(cfg), tok)
     files = {
@@ -97,7 +98,13 @@ def cases(p: dict[str, str]) -> list[Case]:
         Case("fit", [*fit, "--model.d_model", "100", "--model.n_heads", "3"], "--model.n_heads"),
         Case("fit", [*fit, "--model.head_type", "nonsense"], "head_type"),
         Case("fit", [*fit, "--model.head_type", "linear", "--model.matched_params", "true"],
-             "--model.matched_params needs --model.head_type block"),
+             "--model.matched_params does not apply to --model.head_type linear"),
+        Case("fit", [*fit, "--model.head_type", "medusa", "--model.matched_params", "true"],
+             "--model.matched_params does not apply to --model.head_type medusa"),
+        Case("fit", [*fit, "--loss.schedule", "ramp"], "needs --loss.schedule_steps"),
+        Case("fit", [*fit, "--loss.schedule_steps", "5"], "--loss.schedule constant"),
+        Case("fit", [*fit, "--model.n_future", "1", "--loss.schedule", "curriculum",
+                     "--loss.schedule_steps", "5"], "--model.n_future is 1"),
         Case("fit", [*fit, "--model.n_layers", "2", "--model.matched_params", "true"],
              "leaves none of --model.n_layers"),
         Case("fit", [*fit, "--optim.lr", "-1"], "--optim.lr"),
@@ -147,6 +154,10 @@ def cases(p: dict[str, str]) -> list[Case]:
              "3 problems"),
         Case("generate", [*gen, *k4, "--decoder", "self-spec", "--max-new-tokens", "4"],
              "outputs equal: yes", status=0),
+        Case("generate", [*gen, "--ckpt", p["DS4"], "--decoder", "tree", "--tree", "3,2,2",
+                          "--max-new-tokens", "8"], "outputs equal: yes", status=0),
+        Case("generate", [*gen, "--ckpt", p["DS4"], "--decoder", "self-spec", "--heads", "5"],
+             "--heads must lie in [1, 4]"),
         # mtp eval
         Case("eval", [*ev, "nonsense"], "nonsense"),
         Case("eval", [*ev, "humaneval", "--completions", p["MISSING"]], "missing.ckpt"),
@@ -189,6 +200,8 @@ def cases(p: dict[str, str]) -> list[Case]:
         Case("export", [*MTP, "export", "hf", *k4, "--output", p["EXISTING"]],
              "is not an empty directory"),
         Case("export", [*MTP, "export", "nonsense"], "nonsense"),
+        Case("export", [*MTP, "export", "hf", "--ckpt", p["DS4"], "--output", p["OUT"] + "/ds"],
+             "--model.head_type deepseek"),
         # the entry point and the experiments
         Case("mtp", [*MTP, "nonsense"], "unknown command"),
         Case("experiments", [sys.executable, str(REPO / "experiments" / "k_sweep.py"),

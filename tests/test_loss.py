@@ -1,12 +1,14 @@
 """The sequential head pass against the naive reference: values, every gradient, memory, DDP."""
 
+import re
+
 import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mtp.config import LossConfig, ModelConfig, OptimConfig
+from mtp.config import ConfigError, LossConfig, ModelConfig, OptimConfig
 from mtp.heads import HEAD_TYPES
 from mtp.loss import (
     IGNORE_INDEX,
@@ -242,3 +244,24 @@ def test_curriculum_trains_only_the_heads_that_joined_and_logs_the_weights(tiny_
               use_distributed_sampler=False).fit(module, datamodule=dm)
     assert probe.logged == [[1, 0, 0], [1, 0, 0], [1, 1, 0], [1, 1, 0], [1, 1, 1]]
     assert probe.head3_grad[:4] == [0.0] * 4 and probe.head3_grad[4] > 0
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"schedule": "ramp"}, "--loss.schedule ramp needs --loss.schedule_steps >= 1 (got None)"),
+    ({"schedule": "curriculum", "schedule_steps": 0},
+     "--loss.schedule curriculum needs --loss.schedule_steps >= 1 (got 0)"),
+    ({"schedule_steps": 5}, "--loss.schedule_steps applies to --loss.schedule ramp or "
+                            "curriculum only (got --loss.schedule constant)"),
+])
+def test_bad_schedules_name_both_flags(kwargs, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        LossConfig(**kwargs)
+
+
+def test_a_schedule_needs_heads_to_move():
+    from mtp.config import RunConfig
+
+    with pytest.raises(ConfigError, match=re.escape(
+            "--loss.schedule ramp moves the weights of heads 2..K, but --model.n_future is 1")):
+        RunConfig(model=ModelConfig(n_future=1), loss=LossConfig(schedule="ramp",
+                                                                  schedule_steps=3))
