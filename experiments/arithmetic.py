@@ -20,9 +20,10 @@ import math
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+if __package__ in (None, ""):  # run as a script, `python experiments/<study>.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import (  # noqa: E402 (the script's directory must be on the path first)
+from experiments.common import (  # noqa: E402 (a script puts the repository on the path first)
     ResultsCSV,
     command_line,
     environment,
@@ -39,7 +40,6 @@ from common import (  # noqa: E402 (the script's directory must be on the path f
     to_float,
     welch_t,
 )
-
 from mtp.config import InputError  # noqa: E402
 
 COLUMNS = ["d_model", "K", "seed", "params", "steps", "acc_in", "acc_out", "coef_acc_in",
@@ -48,7 +48,7 @@ KEY = ["d_model", "K", "seed"]
 
 
 def _task(preset: dict):
-    from synthetic import PolynomialTask
+    from experiments.synthetic import PolynomialTask
 
     t = dict(preset["task"])
     t["train_ops"] = tuple(t["train_ops"])
@@ -65,8 +65,7 @@ def _model_config(preset: dict, d: int, k: int):
 
 def run(preset: dict, out: Path, work: Path) -> None:
     """Train and score every (size, K, seed) of the preset that the CSV does not hold yet."""
-    from synthetic import arithmetic_accuracy, chance_exact, param_count, train_model
-
+    from experiments.synthetic import arithmetic_accuracy, chance_exact, param_count, train_model
     from mtp.config import OptimConfig
 
     csv = ResultsCSV(out / "results.csv", COLUMNS, KEY)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from common import (
+from experiments.common import (
     bootstrap_ci,
     environment,
     errorbar_plot,
@@ -17,7 +17,6 @@ from common import (
     summarize,
     to_float,
 )
-
 from mtp.config import InputError
 
 ALPHA = 0.05

@@ -19,9 +19,10 @@ import math
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+if __package__ in (None, ""):  # run as a script, `python experiments/<study>.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import (  # noqa: E402 (the script's directory must be on the path first)
+from experiments.common import (  # noqa: E402 (a script puts the repository on the path first)
     ResultsCSV,
     command_line,
     environment,
@@ -38,7 +39,6 @@ from common import (  # noqa: E402 (the script's directory must be on the path f
     to_float,
     welch_t,
 )
-
 from mtp.config import InputError  # noqa: E402
 
 COLUMNS = ["d_model", "K", "seed", "params", "n_layers", "steps", "copy_acc", "chance",
@@ -55,15 +55,14 @@ def _model_config(preset: dict, d: int, k: int):
 
 
 def _task(preset: dict):
-    from synthetic import InductionTask
+    from experiments.synthetic import InductionTask
 
     return InductionTask(**preset["task"])
 
 
 def run(preset: dict, out: Path, work: Path) -> None:
     """Train and score every (size, K, seed) of the preset that the CSV does not hold yet."""
-    from synthetic import induction_accuracy, param_count, train_model
-
+    from experiments.synthetic import induction_accuracy, param_count, train_model
     from mtp.config import OptimConfig
 
     csv = ResultsCSV(out / "results.csv", COLUMNS, KEY)
@@ -114,7 +113,7 @@ def report(out: Path, preset: dict, command: str) -> str:
                 stds.append(s["std"])
         series[f"K = {k}"] = (xs, means, stds)
     chance = to_float(rows[0]["chance"])
-    from synthetic import induction_bag_baseline
+    from experiments.synthetic import induction_bag_baseline
 
     bag = induction_bag_baseline(_task(preset), n_seqs=preset["eval_seqs"],
                                  length=preset["seq_len"])

@@ -27,11 +27,13 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+if __package__ in (None, ""):  # run as a script, `python experiments/<study>.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import head_report  # noqa: E402
 import yaml  # noqa: E402
-from common import (  # noqa: E402 (the script's directory must be on the path first)
+
+from experiments import head_report  # noqa: E402
+from experiments.common import (  # noqa: E402 (a script puts the repository on the path first)
     REPO,
     ResultsCSV,
     command_line,
@@ -50,7 +52,6 @@ from common import (  # noqa: E402 (the script's directory must be on the path f
     to_float,
     welch_t,
 )
-
 from mtp.config import InputError  # noqa: E402
 
 MAX_K = 8

@@ -49,7 +49,8 @@ def shard_model(model: MTPTransformer, mesh, *, param_dtype: torch.dtype | None 
     for block in model.blocks:
         fully_shard(block, **kw)
     for head in model.heads:
-        fully_shard(head, **kw)
+        if any(True for _ in head.parameters()):  # deepseek's head 1 holds none
+            fully_shard(head, **kw)
     fully_shard(model, **kw)
 
 

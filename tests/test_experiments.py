@@ -4,7 +4,6 @@ import csv
 import json
 import math
 import re
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,14 +11,8 @@ import pytest
 import torch
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "experiments"))
-
-import arithmetic  # noqa: E402
-import common  # noqa: E402
-import induction  # noqa: E402
-import k_sweep  # noqa: E402
-from synthetic import (  # noqa: E402
+from experiments import arithmetic, common, induction, k_sweep
+from experiments.synthetic import (
     InductionTask,
     PolynomialTask,
     SyntheticDataModule,
@@ -27,8 +20,9 @@ from synthetic import (  # noqa: E402
     arithmetic_accuracy,
     induction_accuracy,
 )
+from mtp.config import InputError
 
-from mtp.config import InputError  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 # -- induction data ---------------------------------------------------------------------------
 
@@ -390,3 +384,20 @@ def test_permutation_and_bootstrap_statistics():
     assert common.permutation_p([1, 2, 3], [1, 2, 3]) == 1.0
     lo, hi = common.bootstrap_ci([10, 11, 12], [1, 2, 3])
     assert 7 <= lo < 9 < hi <= 11
+
+
+@pytest.mark.parametrize("form", ["module", "script"])
+def test_studies_run_as_modules_and_as_scripts(form):
+    """`python -m experiments.<study>` (no path set up by anyone) and `python
+    experiments/<study>.py` both start each study."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    for study in ("k_sweep", "arithmetic", "induction"):
+        target = ["-m", f"experiments.{study}"] if form == "module" else \
+            [f"experiments/{study}.py"]
+        proc = subprocess.run([sys.executable, *target, "--help"], cwd=REPO, env=env,
+                              capture_output=True, text=True)
+        assert proc.returncode == 0 and "--preset" in proc.stdout, proc.stderr

@@ -53,13 +53,14 @@ def deepseek_trained():
     return _trained("deepseek")
 
 
+@pytest.mark.parametrize("K", [2, 4])
 @pytest.mark.parametrize("head_type", OTHER_TYPES)
 @pytest.mark.parametrize(("decoder", "kwargs"), [DECODERS[0], DECODERS[3]])
-def test_speculative_greedy_equals_greedy_random_model(head_type, decoder, kwargs):
-    model = random_model(head_type=head_type)
-    prompts = random_prompts(16, model.cfg.vocab_size, seed=3)
-    ref, _ = generate(model, prompts, 40)
-    out, _ = generate(model, prompts, 40, decoder=decoder, **kwargs)
+def test_speculative_greedy_equals_greedy_random_model(head_type, K, decoder, kwargs):
+    model = random_model(head_type=head_type, n_future=K)
+    prompts = random_prompts(12, model.cfg.vocab_size, seed=3)
+    ref, _ = generate(model, prompts, 32)
+    out, _ = generate(model, prompts, 32, decoder=decoder, **kwargs)
     assert out == ref
 
 

@@ -1,0 +1,2 @@
+"""The studies of `mtp` (see README.md): run each as `python -m experiments.<study>` or
+`python experiments/<study>.py`."""
