@@ -210,6 +210,70 @@ def bootstrap_ci(a: Sequence[float], b: Sequence[float], *, reps: int = 10000,
     return diffs[int(0.025 * reps)], diffs[int(0.975 * reps) - 1]
 
 
+ALPHA = 0.05
+
+
+def compare(a: Sequence[float], b: Sequence[float], m: int = 1,
+            digits: int = 3) -> tuple[str, str]:
+    """mean(a) - mean(b) with its 95% bootstrap interval and exact permutation p, and a verdict:
+    `higher` / `lower` when the interval excludes 0 and p < ALPHA / m (Bonferroni over m
+    comparisons), else `not distinguishable`."""
+    diff = summarize(a)["mean"] - summarize(b)["mean"]
+    lo, hi = bootstrap_ci(a, b)
+    p = permutation_p(a, b)
+    clear = p < ALPHA / m and (lo > 0 or hi < 0)
+    verdict = ("higher" if diff > 0 else "lower") if clear else "not distinguishable"
+    n_a = sum(not math.isnan(v) for v in a)
+    n_b = sum(not math.isnan(v) for v in b)
+    return (f"Δ = {diff:+.{digits}f}, 95% bootstrap interval [{lo:+.{digits}f}, "
+            f"{hi:+.{digits}f}], exact permutation p = {p:.3f} (n = {n_a} vs {n_b})", verdict)
+
+
+def mean_ci(a: Sequence[float]) -> tuple[float, float, float]:
+    """The mean of a and its 95% bootstrap interval."""
+    lo, hi = bootstrap_ci(a, [0.0])
+    return summarize(a)["mean"], lo, hi
+
+
+def criterion(m: int, n: int) -> str:
+    """The sentence that states the criterion of `compare` for a report."""
+    from math import comb
+
+    return (f"Criterion of every verdict: the 95% bootstrap interval of the difference "
+            f"excludes 0 and the exact permutation p is below {ALPHA} / {m} = {ALPHA / m:.4f} "
+            f"(Bonferroni over the report's {m} comparisons). With {n} seeds per group the "
+            f"smallest possible p is 2 / C({2 * n}, {n}) = {2 / comb(2 * n, n):.3f}; per-seed "
+            "values are in the tables.")
+
+
+def provenance() -> dict[str, str]:
+    """What made a run, for its CSV row: the git revision (`+dirty` with uncommitted code),
+    the software and machine, and the UTC time."""
+    import torch
+
+    from mtp.environment import git_state, versions
+
+    rev, dirty = git_state(REPO, exclude=["experiments/reports"], untracked=True)
+    found = versions("torch")
+    return {"git": rev + ("+dirty" if dirty else ""),
+            "environment": f"python {found['python']}, torch {found.get('torch')}, "
+                           f"{platform.machine()} (torch threads: {torch.get_num_threads()})",
+            "utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
+
+
+def provenance_line(rows: list[dict]) -> str:
+    """The report's provenance, from the rows alone (so `--report-only` rewrites the same)."""
+    revs = sorted({r.get("git", "") for r in rows})
+    if revs == [""]:
+        return f"Environment: {environment()} (this report's; its runs recorded none)"
+    envs = sorted({r.get("environment", "") for r in rows})
+    times = sorted(r.get("utc", "") for r in rows)
+    dirty = any(v.endswith("+dirty") for v in revs)
+    return (f"Made by git {', '.join(revs)}"
+            f"{' (uncommitted changes!)' if dirty else ' (committed code)'}; "
+            f"{'; '.join(envs)}; runs finished {times[0]} to {times[-1]} UTC.")
+
+
 def pm(stats: dict[str, float], digits: int = 3) -> str:
     """`mean ± std (n)` for a report table."""
     if stats["n"] == 0:

@@ -7,19 +7,17 @@ import json
 from pathlib import Path
 
 from experiments.common import (
-    bootstrap_ci,
-    environment,
+    compare,
+    criterion,
     errorbar_plot,
     group,
     markdown_table,
-    permutation_p,
     pm,
+    provenance_line,
     summarize,
     to_float,
 )
 from mtp.config import InputError
-
-ALPHA = 0.05
 
 
 def _vals(rows: list[dict], col: str) -> list[float]:
@@ -29,19 +27,6 @@ def _vals(rows: list[dict], col: str) -> list[float]:
 def _per_seed(rows: list[dict], col: str, digits: int = 3) -> str:
     return ", ".join(f"{to_float(r.get(col, '')):.{digits}f}" for r in
                      sorted(rows, key=lambda r: int(r["seed"])))
-
-
-def _compare(a: list[float], b: list[float], m: int) -> tuple[str, str]:
-    """The difference of means with its interval and exact permutation p, and the verdict:
-    `higher` / `lower` when the 95% bootstrap interval excludes 0 and p < ALPHA / m (Bonferroni
-    over the report's m comparisons), else `not distinguishable`."""
-    diff = summarize(a)["mean"] - summarize(b)["mean"]
-    lo, hi = bootstrap_ci(a, b)
-    p = permutation_p(a, b)
-    clear = p < ALPHA / m and (lo > 0 or hi < 0)
-    verdict = ("higher" if diff > 0 else "lower") if clear else "not distinguishable"
-    return (f"Δ = {diff:+.3f}, 95% bootstrap interval [{lo:+.3f}, {hi:+.3f}], exact "
-            f"permutation p = {p:.3f} (n = {len(a)} vs {len(b)})", verdict)
 
 
 def report(out: Path, preset: dict, head_types: list[str], command: str, rows: list[dict],
@@ -125,7 +110,7 @@ def report(out: Path, preset: dict, head_types: list[str], command: str, rows: l
         "",
         f"Runs: {len(rows)}; {fit_min:.1f} min training + {eval_min:.1f} min evaluation.",
         "",
-        f"Environment: {environment(out)}",
+        provenance_line(rows),
         "",
     ]
     text = "\n".join(lines)
@@ -139,17 +124,14 @@ def _findings(by: dict, head_types: list[str], ks: list[int], base: list[dict]) 
     parallel = [h for h in head_types if h != "deepseek"]
     m = len(head_types) * len(ks) + (len(parallel) * (k_top - 1) if "deepseek" in head_types
                                      else 0)
-    out = [f"Criterion of every verdict: the 95% bootstrap interval of the difference excludes "
-           f"0 and the exact permutation p is below {ALPHA} / {m} = {ALPHA / m:.4f} "
-           f"(Bonferroni over the {m} comparisons below). With n seeds per group the smallest "
-           "possible p is 2 / C(2n, n): 0.100 for n = 3, 0.008 for n = 5, so with 3 seeds no "
-           "difference can pass; the per-seed values are in the table."]
+    n = min((len(rs) for rs in by.values()), default=0)
+    out = [criterion(m, n)]
     for h in head_types:
         for k in ks:
             rs = by.get((h, str(k)), [])
             if not rs or not base:
                 continue
-            stat, verdict = _compare(_vals(rs, "next_token_loss"),
+            stat, verdict = compare(_vals(rs, "next_token_loss"),
                                      _vals(base, "next_token_loss"), m)
             out.append(f"- Next-token loss, {h} heads at K = {k} vs the K = 1 baseline: {stat}: "
                        f"**{verdict}** (head-1 depth {rs[0]['head1_depth']} vs "
@@ -171,7 +153,7 @@ def _findings(by: dict, head_types: list[str], ks: list[int], base: list[dict]) 
             if not rs or not chained:
                 continue
             for i in range(1, k_top):
-                stat, verdict = _compare(_vals(chained, f"accept_pos{i}"),
+                stat, verdict = compare(_vals(chained, f"accept_pos{i}"),
                                          _vals(rs, f"accept_pos{i}"), m)
                 out.append(f"- Acceptance of draft {i}, deepseek vs {h} heads (K = {k_top}): "
                            f"{stat}: deepseek **{verdict}**.")

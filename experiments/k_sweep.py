@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -37,48 +36,56 @@ from experiments.common import (  # noqa: E402 (a script puts the repository on 
     REPO,
     ResultsCSV,
     command_line,
-    environment,
+    compare,
+    criterion,
     errorbar_plot,
     group,
     load_preset,
     log_hparams,
     markdown_table,
+    mean_ci,
     parse_int_list,
     pm,
+    provenance,
+    provenance_line,
     single_thread,
     study_main,
     summarize,
-    t95,
     to_float,
-    welch_t,
 )
 from mtp.config import InputError  # noqa: E402
 
 MAX_K = 8
-#: The columns of results.csv before head types were an axis (every run had block heads).
-BLOCK_COLUMNS = ["K", "seed", "params", "steps", "next_token_loss", "val_loss_mean",
-                 *[f"loss_head{i}" for i in range(1, MAX_K + 1)], "acc_head1",
-                 "humaneval_pass@1", "mbpp_pass@1", "humaneval_tasks", "mbpp_tasks", "spec_L",
-                 "greedy_ms_per_token", "spec_ms_per_token", "spec_speedup", "spec_identical",
-                 "fit_s", "eval_s"]
-#: With `--head-types`: the head type, head 1's depth in blocks, the acceptance rate of each
-#: draft position and the speedup against the K = 1 model's greedy decoding too.
-HEAD_COLUMNS = ["head_type", *BLOCK_COLUMNS[:3], "head1_depth", *BLOCK_COLUMNS[3:-2],
-                *[f"accept_pos{i}" for i in range(1, MAX_K)], "k1_greedy_ms_per_token",
-                "spec_speedup_vs_k1", *BLOCK_COLUMNS[-2:]]
-KEY = ["head_type", "K", "seed"]
+COLUMNS = ["head_type", "K", "n_layers", "seed", "params", "steps", "head1_depth",
+           "next_token_loss", "val_loss_mean", *[f"loss_head{i}" for i in range(1, MAX_K + 1)],
+           "acc_head1", "humaneval_pass@1", "mbpp_pass@1", "humaneval_tasks", "mbpp_tasks",
+           "spec_L", *[f"accept_pos{i}" for i in range(1, MAX_K)], "greedy_ms_per_token",
+           "spec_ms_per_token", "spec_speedup", "spec_identical", "k1_greedy_ms_per_token",
+           "spec_speedup_vs_k1", "fit_s", "eval_s", "git", "environment", "utc"]
+"""One row per run. `n_layers` is the run's `--model.n_layers`, `head1_depth` the blocks on its
+next-token path, `accept_pos{i}` the rate at which draft i was accepted given drafts 1..i - 1
+were; `git`, `environment` and `utc` say what made the row."""
+KEY = ["head_type", "K", "n_layers", "seed"]
 #: Heads that are blocks, into which matched parameters move trunk blocks.
 BLOCK_HEADS = ("block", "deepseek")
 
 
-def results(out: Path, head_types: list[str]) -> ResultsCSV:
-    """The study's CSV: the original columns for a sweep of block heads, more with head types."""
-    columns = BLOCK_COLUMNS if head_types == ["block"] else HEAD_COLUMNS
-    return ResultsCSV(out / "results.csv", columns, KEY, defaults={"head_type": "block"})
+def results(out: Path) -> ResultsCSV:
+    """The study's CSV (rows of an older column set read with block heads as their type)."""
+    return ResultsCSV(out / "results.csv", COLUMNS, KEY, defaults={"head_type": "block"})
 
 
-def run_dir_name(head_type: str, k: int, seed: int) -> str:
-    return f"K{k}-s{seed}" if head_type == "block" else f"{head_type}-K{k}-s{seed}"
+def base_layers(preset: dict) -> int:
+    """`--model.n_layers` of the preset: the K = 1 model has n_layers + 1 blocks."""
+    with open(REPO / preset["fit_config"]) as f:
+        base = yaml.safe_load(f).get("model", {}).get("n_layers")
+    return int(preset.get("fit", {}).get("model", {}).get("n_layers", base))
+
+
+def run_dir_name(head_type: str, k: int, seed: int, n_layers: int | None = None) -> str:
+    """A run's work directory; `n_layers` only for a depth-matched K = 1 control."""
+    name = f"K{k}-s{seed}" if head_type == "block" else f"{head_type}-K{k}-s{seed}"
+    return name if n_layers is None else f"K{k}-L{n_layers}-s{seed}"
 
 
 # -- configuration -----------------------------------------------------------------------------
@@ -93,14 +100,14 @@ def _deep_merge(base: dict, over: dict) -> dict:
 
 
 def run_fit_config(preset: dict, k: int, seed: int, run_dir: Path,
-                   head_type: str = "block") -> dict:
+                   head_type: str = "block", n_layers: int | None = None) -> dict:
     """The complete `mtp fit` YAML of one run: base config + preset overrides + K and seed.
 
     Only the model's K and head type, the seeds and where logs go differ between runs of a
     sweep; the data, the model's total blocks and the optimisation are the same. Block and
     deepseek heads get matched parameters (K - 1 trunk blocks move into the heads); linear and
     medusa heads hold no block, so their trunk keeps all `n_layers + 1` blocks, and their K
-    d x d maps are the parameters they add.
+    d x d maps are the parameters they add. `n_layers` sets a depth-matched control's trunk.
     """
     with open(REPO / preset["fit_config"]) as f:
         cfg = yaml.safe_load(f)
@@ -110,6 +117,8 @@ def run_fit_config(preset: dict, k: int, seed: int, run_dir: Path,
         model["head_type"] = head_type
     if head_type not in BLOCK_HEADS:
         model["n_layers"] = cfg["model"]["n_layers"] + 1
+    if n_layers is not None:
+        model["n_layers"] = n_layers
     cfg = _deep_merge(cfg, {
         "seed_everything": seed,
         "model": model,
@@ -143,7 +152,8 @@ def last_checkpoint(run_dir: Path) -> Path | None:
 # -- one run -----------------------------------------------------------------------------------
 
 
-def train(preset: dict, k: int, seed: int, run_dir: Path, head_type: str = "block") -> float:
+def train(preset: dict, k: int, seed: int, run_dir: Path, head_type: str = "block",
+          n_layers: int | None = None) -> float:
     """Train one (head type, K, seed) model through `mtp fit` unless it already finished; wall
     seconds."""
     done = run_dir / "fit_done.json"
@@ -152,10 +162,12 @@ def train(preset: dict, k: int, seed: int, run_dir: Path, head_type: str = "bloc
     from mtp.cli import main as mtp_main
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    cfg = run_fit_config(preset, k, seed, run_dir, head_type)
+    cfg = run_fit_config(preset, k, seed, run_dir, head_type, n_layers)
     (run_dir / "fit.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
     argv = fit_argv(run_dir)
-    print(f"[k_sweep] {head_type} K={k} seed={seed}: mtp {' '.join(argv)}", flush=True)
+    print(f"[k_sweep] {head_type} K={k} seed={seed}"
+          f"{'' if n_layers is None else f' n_layers={n_layers}'}: mtp {' '.join(argv)}",
+          flush=True)
     start = time.perf_counter()
     status = mtp_main(argv)
     seconds = time.perf_counter() - start
@@ -296,8 +308,9 @@ def evaluate(preset: dict, k: int, seed: int, run_dir: Path, head_type: str = "b
     cfg = yaml.safe_load((run_dir / "fit.yaml").read_text())
     # head 1's path: the trunk's blocks and those of head 1 itself
     depth = model.cfg.n_trunk_layers + sum(isinstance(m, Block) for m in model.heads[0].modules())
-    row: dict = {"head_type": head_type, "params": model.num_params(),
-                 "steps": cfg["trainer"]["max_steps"], "head1_depth": depth}
+    row: dict = {"head_type": head_type, "n_layers": model.cfg.n_layers,
+                 "params": model.num_params(), "steps": cfg["trainer"]["max_steps"],
+                 "head1_depth": depth}
     base = None if baseline is None or k == 1 else load_checkpoint(baseline,
                                                                    device=ev["device"])[0]
     start = time.perf_counter()
@@ -311,21 +324,39 @@ def evaluate(preset: dict, k: int, seed: int, run_dir: Path, head_type: str = "b
         score, n = pass_at_1(ckpt, bench, run_dir / "eval" / bench, ev)
         row[f"{bench}_pass@1"], row[f"{bench}_tasks"] = score, n
     row["eval_s"] = time.perf_counter() - start
-    return row
+    return row | provenance()
 
 
-def plan(preset: dict, head_types: list[str]) -> list[tuple[str, int, int]]:
-    """Every (head type, K, seed) of a sweep. K = 1 is the next-token baseline: one head, the
-    same model for block and deepseek heads, so it runs once, with block heads."""
-    runs = [("block", 1, s) for s in preset["seeds"] if 1 in preset["ks"]]
-    return runs + [(h, k, s) for h in head_types for k in preset["ks"] if k > 1
-                   for s in preset["seeds"]]
+Run = tuple[str, int, int, int | None]
+"""(head type, K, seed, n_layers of a depth-matched control or None)."""
+
+
+def plan(preset: dict, head_types: list[str]) -> list[Run]:
+    """Every run of a sweep. K = 1 is the next-token baseline: one head, the same model for
+    block and deepseek heads, so it runs once, with block heads. With `depth_controls` in the
+    preset, each K > 1 of block heads also gets a K = 1 control whose next-token path has the
+    K model's depth: matched parameters leave head 1 n_layers + 2 - K blocks, so the control
+    has n_layers + 1 - K."""
+    ks, seeds = preset["ks"], preset["seeds"]
+    runs: list[Run] = [("block", 1, s, None) for s in seeds if 1 in ks]
+    runs += [(h, k, s, None) for h in head_types for k in ks if k > 1 for s in seeds]
+    if preset.get("depth_controls"):
+        n = base_layers(preset)
+        runs += [("block", 1, s, n + 1 - k) for k in ks if k > 1 for s in seeds]
+    return runs
 
 
 def _train_job(job: tuple) -> float:
     """`train` in a worker process of `--jobs`, on one CPU thread."""
     single_thread()
     return train(*job)
+
+
+def _done(csv: ResultsCSV, preset: dict, run: Run) -> bool:
+    h, k, seed, n_layers = run
+    if n_layers is None:
+        n_layers = base_layers(preset) + (h not in BLOCK_HEADS)
+    return csv.is_done(head_type=h, K=k, n_layers=n_layers, seed=seed)
 
 
 def run(preset: dict, out: Path, work: Path, head_types: list[str] | None = None,
@@ -336,14 +367,15 @@ def run(preset: dict, out: Path, work: Path, head_types: list[str] | None = None
     training of the study runs beside a timed decode.
     """
     head_types = head_types or ["block"]
-    csv = results(out, head_types)
+    csv = results(out)
     todo = []
-    for h, k, seed in plan(preset, head_types):
-        if csv.is_done(head_type=h, K=k, seed=seed):
-            print(f"[k_sweep] {h} K={k} seed={seed}: done, skipped", flush=True)
+    for r in plan(preset, head_types):
+        if _done(csv, preset, r):
+            print(f"[k_sweep] {r[0]} K={r[1]} seed={r[2]}: done, skipped", flush=True)
         else:
-            todo.append((h, k, seed))
-    jobs_args = [(preset, k, seed, work / run_dir_name(h, k, seed), h) for h, k, seed in todo]
+            todo.append(r)
+    dirs = [work / run_dir_name(h, k, seed, n) for h, k, seed, n in todo]
+    jobs_args = [(preset, k, seed, d, h, n) for (h, k, seed, n), d in zip(todo, dirs)]
     if jobs > 1 and len(todo) > 1:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
@@ -352,20 +384,18 @@ def run(preset: dict, out: Path, work: Path, head_types: list[str] | None = None
             fit_s = list(pool.map(_train_job, jobs_args))
     else:
         fit_s = [train(*a) for a in jobs_args]
-    timed_vs_k1 = "spec_speedup_vs_k1" in csv.columns
-    for (h, k, seed), seconds in zip(todo, fit_s):
-        run_dir = work / run_dir_name(h, k, seed)
-        baseline = last_checkpoint(work / run_dir_name("block", 1, seed)) if timed_vs_k1 else None
+    for (h, k, seed, n), run_dir, seconds in zip(todo, dirs, fit_s):
+        baseline = last_checkpoint(work / run_dir_name("block", 1, seed))
         row = {"K": k, "seed": seed, "fit_s": seconds} | evaluate(preset, k, seed, run_dir, h,
                                                                   baseline)
-        csv.append({c: v for c, v in row.items() if c in csv.columns})
-        log_hparams(work / "hparams" / run_dir_name(h, k, seed),
+        csv.append(row)
+        log_hparams(work / "hparams" / run_dir.name,
                     {"head_type": h, "K": k, "seed": seed, "params": row["params"],
-                     "steps": row["steps"]},
+                     "n_layers": row["n_layers"], "steps": row["steps"]},
                     {m: row.get(m, float("nan")) for m in (
                         "next_token_loss", "val_loss_mean", "humaneval_pass@1",
                         "mbpp_pass@1", "spec_L", "spec_speedup")})
-        print(f"[k_sweep] {h} K={k} seed={seed}: next-token loss {row['next_token_loss']:.3f}, "
+        print(f"[k_sweep] {run_dir.name}: next-token loss {row['next_token_loss']:.3f}, "
               f"L {row['spec_L']:.2f}, fit {seconds:.0f} s, eval {row['eval_s']:.0f} s",
               flush=True)
 
@@ -375,44 +405,67 @@ def run(preset: dict, out: Path, work: Path, head_types: list[str] | None = None
 
 def report(out: Path, preset: dict, command: str, note: str = "") -> str:
     """Write `<out>/README.md` and the loss / L / speedup plots from `<out>/results.csv`."""
-    rows = results(out, ["block"]).rows()
+    rows = results(out).rows()
     if not rows:
         raise InputError(f"no results in {out / 'results.csv'} (run the study without "
                          "--report-only first)")
-    by = group(rows, ["K"])
-    ks = sorted(int(k) for (k,) in by)
+    base_n = str(base_layers(preset))
+    # The sweep proper: every K at the preset's n_layers (older CSVs recorded none).
+    main_rows = group([r for r in rows if r.get("n_layers", "") in ("", base_n)], ["K"])
+    ks = sorted(int(k) for (k,) in main_rows)
+    by = {k: main_rows[(str(k),)] for k in ks}
+    # Depth-matched K = 1 controls, by the depth of their next-token path.
+    controls = group([r for r in rows if r["K"] == "1" and r.get("n_layers", "") not in
+                      ("", base_n)], ["head1_depth"])
 
     def stat(k: int, col: str) -> dict:
-        return summarize(to_float(r[col]) for r in by[(str(k),)])
+        return summarize(_vals(by[k], col))
 
     def series(col: str, only=lambda k: True) -> tuple[list, list, list]:
         xs = [k for k in ks if only(k) and stat(k, col)["n"]]
         return xs, [stat(k, col)["mean"] for k in xs], [stat(k, col)["std"] for k in xs]
 
-    errorbar_plot(out / "loss_vs_k.png",
-                  {"next-token (head 1)": series("next_token_loss"),
-                   "mean over heads": series("val_loss_mean")},
-                  xlabel="K (heads)", ylabel="validation loss (nats)", logx=True,
+    def control(k: int) -> list[dict]:
+        return controls.get((by[k][0]["head1_depth"],), []) if by[k][0].get("head1_depth") \
+            else []
+
+    loss_series = {"next-token (head 1)": series("next_token_loss"),
+                   "mean over heads": series("val_loss_mean")}
+    matched = [k for k in ks if k > 1 and control(k)]
+    if matched:
+        cs = [summarize(_vals(control(k), "next_token_loss")) for k in matched]
+        loss_series["K = 1 control of head 1's depth"] = (matched, [c["mean"] for c in cs],
+                                                          [c["std"] for c in cs])
+    errorbar_plot(out / "loss_vs_k.png", loss_series, xlabel="K (heads)",
+                  ylabel="validation loss (nats)", logx=True,
                   title="Validation loss vs K (matched parameters)")
     errorbar_plot(out / "L_vs_k.png", {"self-speculative": series("spec_L")},
                   xlabel="K (heads)", ylabel="L (tokens per forward)", logx=True,
                   title="Accepted tokens per forward vs K")
-    errorbar_plot(out / "speedup_vs_k.png",
-                  {"self-spec vs greedy": series("spec_speedup", lambda k: k > 1)},
-                  xlabel="K (heads)", ylabel="wall-clock speedup", logx=True, hline=1.0,
-                  hline_label="greedy", title="Self-speculative speedup vs K (batch 1, CPU)")
+    speed = {"vs its own greedy": series("spec_speedup", lambda k: k > 1)}
+    if any(stat(k, "spec_speedup_vs_k1")["n"] for k in ks if k > 1):
+        speed["vs the K = 1 model's greedy"] = series("spec_speedup_vs_k1", lambda k: k > 1)
+    errorbar_plot(out / "speedup_vs_k.png", speed, xlabel="K (heads)",
+                  ylabel="wall-clock speedup", logx=True, hline=1.0, hline_label="greedy",
+                  title="Self-speculative speedup vs K (batch 1, CPU)")
 
-    head_cols = [f"loss_head{i}" for i in range(1, max(ks) + 1)]
     table = []
     for k in ks:
-        rs = by[(str(k),)]
-        heads = " / ".join(f"{stat(k, c)['mean']:.3f}" for c in head_cols[:k])
-        ident = [r["spec_identical"] for r in rs if r["spec_identical"] != ""]
-        table.append([k, rs[0]["params"], len(rs), pm(stat(k, "next_token_loss")),
-                      pm(stat(k, "acc_head1")), heads, pm(stat(k, "humaneval_pass@1")),
-                      pm(stat(k, "mbpp_pass@1")), pm(stat(k, "spec_L"), 2),
+        rs = by[k]
+        heads = " / ".join(f"{stat(k, f'loss_head{i}')['mean']:.3f}" for i in range(1, k + 1))
+        ident = [r["spec_identical"] for r in rs if r.get("spec_identical", "") != ""]
+        table.append([k, rs[0]["params"], rs[0].get("head1_depth") or "–", len(rs),
+                      pm(stat(k, "next_token_loss")), _per_seed(rs, "next_token_loss"),
+                      heads, pm(stat(k, "spec_L"), 2), _per_seed(rs, "spec_L", 2),
                       pm(stat(k, "spec_speedup"), 2) if k > 1 else "(baseline)",
+                      pm(stat(k, "spec_speedup_vs_k1"), 2) if k > 1 else "–",
                       f"{sum(int(i) for i in ident)}/{len(ident)}" if ident else "–"])
+    depth_table = []
+    for k in matched:
+        c = control(k)
+        depth_table.append([k, by[k][0]["head1_depth"], pm(stat(k, "next_token_loss")),
+                            pm(summarize(_vals(c, "next_token_loss"))), c[0]["params"],
+                            _per_seed(c, "next_token_loss")])
     ev = preset["eval"]
     fit_min = sum(to_float(r["fit_s"]) for r in rows) / 60
     eval_min = sum(to_float(r["eval_s"]) for r in rows) / 60
@@ -436,26 +489,45 @@ def report(out: Path, preset: dict, command: str, note: str = "") -> str:
         f"sample, at most {ev['max_new_tokens']} new tokens. Self-speculation: "
         f"{ev['spec_prompts']} prompts of {ev['spec_prompt_tokens']} validation tokens, "
         f"{ev['spec_new_tokens']} new tokens each, batch 1, greedy vs `self-spec` with all K "
-        "heads, one CPU thread. Cells: mean ± sample std over seeds (error bars in the plots: "
-        "± 1 std).",
+        f"heads, one CPU thread, timed interleaved: for each prompt, {ev.get('spec_repeat', 1)} "
+        "rounds of the model's greedy, its self-spec and the K = 1 model's greedy in a "
+        "rotating order, the median round per prompt. Cells: mean ± sample std over seeds "
+        "(error bars in the plots: ± 1 std); `head-1 depth` is the number of blocks on the "
+        "next-token path.",
         "",
-        markdown_table(["K", "params", "seeds", "next-token loss", "head-1 acc",
-                        "loss per head (1..K, mean)", "HumanEval pass@1", "MBPP pass@1",
-                        "L", "speedup", "self-spec = greedy"], table),
+        markdown_table(["K", "params", "head-1 depth", "seeds", "next-token loss", "per seed",
+                        "loss per head (1..K, mean)", "L", "L per seed", "speedup",
+                        "speedup vs K = 1 greedy", "self-spec = greedy"], table),
         "",
+    ]
+    if depth_table:
+        lines += [
+            "### Depth: the objective apart from the lost blocks",
+            "",
+            "Matched parameters move K − 1 blocks from the trunk into the heads, so head 1's "
+            "path gets shallower as K grows. Each K > 1 therefore has a K = 1 control of the "
+            "same next-token depth (`--model.n_layers` = n_layers + 1 − K, same data, steps "
+            "and seeds): K against its control is the cost of the objective at equal depth, "
+            "the control against the full K = 1 model the cost of the lost depth.",
+            "",
+            markdown_table(["K", "head-1 depth", "K's next-token loss",
+                            "control's next-token loss", "control params", "control per seed"],
+                           depth_table),
+            "",
+        ]
+    lines += [
         "![validation loss vs K](loss_vs_k.png) ![L vs K](L_vs_k.png) "
         "![speedup vs K](speedup_vs_k.png)",
         "",
         "## Which findings of the paper reproduce here",
         "",
-        *verdicts(by, ks),
+        *verdicts(by, ks, control),
         "",
-        f"Runs: {len(rows)}; wall time {fit_min:.1f} min training + {eval_min:.1f} min "
-        "evaluation (one CPU thread; training time includes any time other jobs on the shared "
-        "machine paused the process, and a resumed run counts only its last attempt). "
-        "Losses, accuracies and L do not depend on machine load; timings do.",
+        f"Runs: {len(rows)}; {fit_min:.1f} min training + {eval_min:.1f} min evaluation (one "
+        "CPU thread each). Losses, accuracies and L do not depend on machine load; timings "
+        "do.",
         "",
-        f"Environment: {environment(out)}",
+        provenance_line(rows),
         "",
     ]
     text = "\n".join(lines)
@@ -463,77 +535,83 @@ def report(out: Path, preset: dict, command: str, note: str = "") -> str:
     return text
 
 
-def verdicts(by: dict, ks: list[int]) -> list[str]:
-    """Plain statements of which of the paper's findings the numbers support, from the CSV."""
-    def vals(k: int, col: str) -> list[float]:
-        return [to_float(r[col]) for r in by[(str(k),)]]
+def _vals(rows: list[dict], col: str) -> list[float]:
+    return [to_float(r.get(col, "")) for r in rows]
 
-    def sig(a: list[float], b: list[float]) -> tuple[float, float, bool]:
-        diff = summarize(a)["mean"] - summarize(b)["mean"]
-        t = welch_t(a, b)
-        return diff, t, not math.isnan(t) and abs(t) > t95(len(a) + len(b) - 2)
 
-    out = []
+def _per_seed(rows: list[dict], col: str, digits: int = 3) -> str:
+    return ", ".join(f"{to_float(r.get(col, '')):.{digits}f}"
+                     for r in sorted(rows, key=lambda r: int(r["seed"])))
+
+
+def verdicts(by: dict, ks: list[int], control) -> list[str]:
+    """Each of the paper's findings the numbers can speak to, with its test, computed."""
+    multi = [k for k in ks if k > 1]
+    with_control = [k for k in multi if control(k)]
+    steps = list(zip(ks, ks[1:]))
+    m = (2 * len(multi) if 1 in ks else 0) + len(with_control) + len(steps)
+    n = min(len(rs) for rs in by.values())
+    out = [criterion(m, n), ""]
     if 1 in ks:
-        for k in [k for k in ks if k > 1]:
-            diff, t, s = sig(vals(k, "next_token_loss"), vals(1, "next_token_loss"))
-            where = ("significantly higher" if s and diff > 0 else "significantly lower"
-                     if s and diff < 0 else "not significantly different")
-            out.append(f"- Next-token loss, K = {k} vs K = 1: Δ = {diff:+.3f} nats (t = {t:+.2f}),"
-                       f" {where}.")
-        out.append(
-            "  The paper's model-size scaling (MBPP / HumanEval, 0.3B to 13B) finds that "
-            "multi-token prediction *hurts* small models and helps only at billions of "
-            "parameters. A higher next-token loss for K > 1 at this scale is **consistent** with "
-            "that finding (a lower one would contradict it); the paper's benchmark gains at "
-            "scale cannot be tested here.")
-    spec = [k for k in ks if k > 1]
-    if spec:
-        # K = 1 has L = 1 (plain greedy, measured), so it is a point of the curve too
-        lk = [k for k in ks if summarize(vals(k, "spec_L"))["n"]]
-        ls = [summarize(vals(k, "spec_L"))["mean"] for k in lk]
-        # the longest stretch of K values from the first over which L rises
-        top = 0
-        while top + 1 < len(ls) and ls[top + 1] > ls[top]:
-            top += 1
-        if len(ls) < 2:
-            verdict = "not testable (one K)"
-        elif top == len(ls) - 1:
-            verdict = "reproduces: L rises with every K"
-        elif top > 0:
-            verdict = (f"partly reproduces: L rises up to K = {lk[top]} but not from there to "
-                       f"K = {lk[top + 1]}")
-        else:
-            verdict = "does not reproduce"
-        small = ls and max(ls) < 2.5
-        out.append(f"- L grows with K (paper: about 3.5 tokens per forward for K = 4 at 7B): "
-                   f"L = {', '.join(f'{v:.2f}' for v in ls)} for K = "
-                   f"{', '.join(map(str, lk))}: **{verdict}**"
-                   + ("; L stays far below the paper's, as these tiny models' later heads are "
-                      "rarely right (see the loss per head)." if small else "."))
-        sp = [summarize(vals(k, "spec_speedup"))["mean"] for k in spec]
-        good = [k for k, v in zip(spec, sp) if v > 1]
-        out.append(f"- Self-speculative wall-clock speedup (paper: about 3x at K = 4, 7B, on GPU): "
-                   f"{', '.join(f'{v:.2f}x' for v in sp)} for K = {', '.join(map(str, spec))}; "
-                   f"a speedup > 1 for K = {', '.join(map(str, good)) or 'none'}. On one CPU "
-                   "thread a verify forward over K tokens costs more than a single-token forward,"
-                   " so the speedup stays below L.")
-        ms = [to_float(r["greedy_ms_per_token"]) for k in ks for r in by[(str(k),)]]
-        out.append(f"  Timings come from a shared 2-core machine on which other jobs ran: plain "
-                   f"greedy decoding took {min(ms):.2f}–{max(ms):.2f} ms per token across "
-                   "runs, so speedups carry that noise (L and the output equality do not).")
-        ident = [r["spec_identical"] for k in spec for r in by[(str(k),)]
-                 if r["spec_identical"] != ""]
-        out.append(f"- Greedy self-speculative output equals plain greedy output in "
-                   f"{sum(int(i) for i in ident)} of {len(ident)} runs (required: all).")
-    he = [summarize(vals(k, "humaneval_pass@1"))["mean"] for k in ks]
-    mb = [summarize(vals(k, "mbpp_pass@1"))["mean"] for k in ks]
-    out.append("- HumanEval / MBPP pass@1 (paper: K = 4 beats K = 1 at several billion "
-               "parameters): "
-               f"{', '.join(f'{a:.2f}/{b:.2f}' for a, b in zip(he, mb))} for K = "
-               f"{', '.join(map(str, ks))}. Models of this size solve no or almost no problems, "
-               "so this finding is **not testable** at this scale; the numbers show the "
-               "pipeline runs end to end.")
+        base = _vals(by[1], "next_token_loss")
+        objective = []
+        for k in multi:
+            stat, verdict = compare(_vals(by[k], "next_token_loss"), base, m)
+            out.append(f"- Next-token loss, K = {k} vs K = 1 at equal parameters: {stat}: "
+                       f"**{verdict}**.")
+            c = control(k)
+            if c:
+                ctl = _vals(c, "next_token_loss")
+                stat, verdict = compare(_vals(by[k], "next_token_loss"), ctl, m)
+                objective.append((k, verdict))
+                out.append(f"  - against the K = 1 control of head 1's depth "
+                           f"({by[k][0]['head1_depth']} blocks), the objective itself: {stat}: "
+                           f"**{verdict}**.")
+                stat, verdict = compare(ctl, base, m)
+                out.append(f"  - the control against the full K = 1 model, the lost depth: "
+                           f"{stat}: **{verdict}**.")
+        if objective:
+            hurt = [k for k, v in objective if v == "higher"]
+            helped = [k for k, v in objective if v == "lower"]
+            finding = ("**reproduced** for K = " + ", ".join(map(str, hurt)) if hurt else
+                       "**contradicted** for K = " + ", ".join(map(str, helped)) if helped else
+                       "**not testable at this scale**: no K differs from its depth-matched "
+                       f"control by the criterion with {n} seeds")
+            out.append("- Gloeckle et al.: at small scale multi-token prediction costs "
+                       f"next-token quality (it helps from billions of parameters on): {finding}"
+                       " (K against its depth-matched control).")
+    if len(ks) > 1:
+        for a, b in steps:
+            stat, verdict = compare(_vals(by[b], "spec_L"), _vals(by[a], "spec_L"), m, 2)
+            out.append(f"- L, K = {b} vs K = {a}: {stat}: **{verdict}**.")
+        ls = [summarize(_vals(by[k], "spec_L"))["mean"] for k in ks]
+        out.append("  Paper: L of about 3.5 at K = 4 on 7B models; here "
+                   + ", ".join(f"{v:.2f}" for v in ls) + " for K = " + ", ".join(map(str, ks))
+                   + ".")
+    for col, what in (("spec_speedup", "its own greedy"),
+                      ("spec_speedup_vs_k1", "the K = 1 model's greedy")):
+        cells = []
+        for k in multi:
+            v = [x for x in _vals(by[k], col) if x == x]
+            if v:
+                mean, lo, hi = mean_ci(v)
+                faster = "faster" if lo > 1 else "slower" if hi < 1 else "not distinguishable"
+                cells.append(f"K = {k}: {mean:.2f}x [{lo:.2f}, {hi:.2f}], {faster}")
+        if cells:
+            out.append(f"- Self-speculative wall-clock speedup against {what} (mean, 95% "
+                       "bootstrap interval; faster or slower where the interval excludes 1): "
+                       + "; ".join(cells) + ".")
+    ident = [r["spec_identical"] for k in multi for r in by[k]
+             if r.get("spec_identical", "") != ""]
+    out.append(f"- Greedy self-speculative output equals plain greedy output in "
+               f"{sum(int(i) for i in ident)} of {len(ident)} runs (required: all).")
+    solved = max((x for k in ks for c in ("humaneval_pass@1", "mbpp_pass@1")
+                  for x in _vals(by[k], c) if x == x), default=float("nan"))
+    if solved == solved:
+        out.append("- HumanEval / MBPP pass@1 (paper: K = 4 beats K = 1 at several billion "
+                   "parameters): " + ("**not testable at this scale**: no model solves a "
+                                      "task." if solved == 0 else
+                                      f"the best run solves {solved:.2f}; see the table."))
     return out
 
 
@@ -570,7 +648,7 @@ def main(argv: list[str] | None = None) -> int:
         print(report(args.out, preset, command_line(), args.note))
     else:
         print(head_report.report(args.out, preset, head_types, command_line(),
-                                 results(args.out, head_types).rows(), args.note))
+                                 results(args.out).rows(), args.note))
     return 0
 
 

@@ -20,7 +20,7 @@ from experiments.synthetic import (
     arithmetic_accuracy,
     induction_accuracy,
 )
-from mtp.config import InputError
+from mtp.config import InputError, ModelConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -233,6 +233,11 @@ def test_every_preset_loads_and_names_its_fields():
             cfg = k_sweep.run_fit_config(preset, 2, 0, Path("/tmp/x"))
             assert cfg["model"]["matched_params"] and cfg["model"]["n_future"] == 2
             assert (REPO / preset["fit_config"]).is_file()
+            # every run's model is valid, depth-matched controls included
+            for h, k, _, n in k_sweep.plan(preset, preset.get("head_types", ["block"])):
+                cfg = k_sweep.run_fit_config(preset, k, 0, Path("/tmp/x"), h, n)
+                ModelConfig(**{key: v for key, v in cfg["model"].items()
+                               if key in ModelConfig.__dataclass_fields__})
 
 
 # -- the K sweep, tiny, end to end -------------------------------------------------------------
@@ -256,7 +261,7 @@ def test_k_sweep_runs_reports_and_skips_finished_runs(tiny_corpus, tmp_path, mon
                          "max_documents": None, "val_fraction": 0.2, "seq_len": 16,
                          "batch_size": 4},
                 "model": {"vocab_size": 300, "n_layers": 2, "max_seq_len": 64}},
-        "ks": [1, 2], "seeds": [0],
+        "ks": [1, 2], "seeds": [0], "depth_controls": True,
         "eval": {"device": "cpu", "val_windows": 4, "humaneval_limit": 0, "mbpp_limit": 0,
                  "max_new_tokens": 4, "batch_size": 2, "workers": 1, "spec_prompts": 2,
                  "spec_prompt_tokens": 4, "spec_new_tokens": 6},
@@ -268,19 +273,29 @@ def test_k_sweep_runs_reports_and_skips_finished_runs(tiny_corpus, tmp_path, mon
     argv = ["--preset", str(path), "--out", str(out), "--work", str(work)]
     assert k_sweep.main(argv) == 0
     rows = list(csv.DictReader(open(out / "results.csv")))
-    assert [(r["K"], r["seed"]) for r in rows] == [("1", "0"), ("2", "0")]
+    assert [(r["K"], r["n_layers"], r["seed"]) for r in rows] == [
+        ("1", "2", "0"), ("2", "2", "0"), ("1", "1", "0")]  # K = 1, K = 2, K = 2's control
     assert rows[0]["params"] == rows[1]["params"]  # matched parameter counts
+    assert rows[2]["head1_depth"] == rows[1]["head1_depth"] == "2" != rows[0]["head1_depth"]
     assert float(rows[0]["spec_L"]) == 1.0 and rows[1]["spec_identical"] == "1"
-    for name in ("README.md", "loss_vs_k.png", "L_vs_k.png", "speedup_vs_k.png"):
-        assert (out / name).stat().st_size > 0
+    assert rows[1]["git"] and rows[1]["utc"] and float(rows[1]["spec_speedup_vs_k1"]) > 0
+    page = (out / "README.md").read_text()
+    assert "the objective itself" in page and "the lost depth" in page
+    assert "Criterion of every verdict" in page
+    names = ("README.md", "loss_vs_k.png", "L_vs_k.png", "speedup_vs_k.png")
+    written = {name: (out / name).read_bytes() for name in names}
+    assert all(written.values())
     assert list((work / "hparams" / "K2-s0").glob("events.out.tfevents.*"))
+    # the page and plots come from the CSV alone: rebuilt, they are the same bytes
+    assert k_sweep.main([*argv, "--report-only"]) == 0
+    assert {name: (out / name).read_bytes() for name in names} == written
 
     def no_training(*args, **kwargs):
         raise AssertionError("a finished run was trained again")
 
     monkeypatch.setattr(k_sweep, "train", no_training)
     assert k_sweep.main(argv) == 0
-    assert len(list(csv.DictReader(open(out / "results.csv")))) == 2
+    assert len(list(csv.DictReader(open(out / "results.csv")))) == 3
 
 
 @pytest.mark.parametrize("text, why", [("- 1\n- 2\n", "must be a YAML mapping of settings (it "
