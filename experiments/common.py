@@ -274,6 +274,23 @@ def provenance_line(rows: list[dict]) -> str:
             f"{'; '.join(envs)}; runs finished {times[0]} to {times[-1]} UTC.")
 
 
+def column(rows: list[dict], col: str) -> list[float]:
+    """One column of the rows as floats (empty cells: nan)."""
+    return [to_float(r.get(col, "")) for r in rows]
+
+
+def per_seed(rows: list[dict], col: str, digits: int = 3) -> str:
+    """A column's values in seed order, for a report's per-seed cell."""
+    return ", ".join(f"{to_float(r.get(col, '')):.{digits}f}"
+                     for r in sorted(rows, key=lambda r: int(r["seed"])))
+
+
+def wall_minutes(rows: list[dict]) -> tuple[float, float]:
+    """Minutes of training and of evaluation over the rows."""
+    return (sum(to_float(r["fit_s"]) for r in rows) / 60,
+            sum(to_float(r["eval_s"]) for r in rows) / 60)
+
+
 def pm(stats: dict[str, float], digits: int = 3) -> str:
     """`mean ± std (n)` for a report table."""
     if stats["n"] == 0:

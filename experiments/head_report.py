@@ -7,26 +7,20 @@ import json
 from pathlib import Path
 
 from experiments.common import (
+    column,
     compare,
     criterion,
     errorbar_plot,
     group,
     markdown_table,
+    per_seed,
     pm,
     provenance_line,
     summarize,
     to_float,
+    wall_minutes,
 )
 from mtp.config import InputError
-
-
-def _vals(rows: list[dict], col: str) -> list[float]:
-    return [to_float(r.get(col, "")) for r in rows]
-
-
-def _per_seed(rows: list[dict], col: str, digits: int = 3) -> str:
-    return ", ".join(f"{to_float(r.get(col, '')):.{digits}f}" for r in
-                     sorted(rows, key=lambda r: int(r["seed"])))
 
 
 def report(out: Path, preset: dict, head_types: list[str], command: str, rows: list[dict],
@@ -45,7 +39,7 @@ def report(out: Path, preset: dict, head_types: list[str], command: str, rows: l
     for h in head_types:
         rs = by.get((h, str(k_top)), [])
         if rs:
-            stats = [summarize(_vals(rs, f"accept_pos{i}")) for i in positions]
+            stats = [summarize(column(rs, f"accept_pos{i}")) for i in positions]
             series[h] = (positions, [s["mean"] for s in stats], [s["std"] for s in stats])
     if series:
         errorbar_plot(out / "acceptance.png", series, xlabel="draft position (head i + 1)",
@@ -63,18 +57,17 @@ def report(out: Path, preset: dict, head_types: list[str], command: str, rows: l
         ident = [r["spec_identical"] for r in rs if r.get("spec_identical", "") != ""]
         table.append([
             h if k != "1" else "K = 1 baseline", k, rs[0]["params"], rs[0]["head1_depth"],
-            len(rs), pm(summarize(_vals(rs, "next_token_loss"))),
-            _per_seed(rs, "next_token_loss"), pm(summarize(_vals(rs, "spec_L")), 2),
-            *[pm(summarize(_vals(rs, f"accept_pos{i}")), 2) if i < int(k) else "–"
+            len(rs), pm(summarize(column(rs, "next_token_loss"))),
+            per_seed(rs, "next_token_loss"), pm(summarize(column(rs, "spec_L")), 2),
+            *[pm(summarize(column(rs, f"accept_pos{i}")), 2) if i < int(k) else "–"
               for i in positions],
-            pm(summarize(_vals(rs, "spec_speedup")), 2) if k != "1" else "–",
-            pm(summarize(_vals(rs, "spec_speedup_vs_k1")), 2) if k != "1" else "–",
+            pm(summarize(column(rs, "spec_speedup")), 2) if k != "1" else "–",
+            pm(summarize(column(rs, "spec_speedup_vs_k1")), 2) if k != "1" else "–",
             f"{sum(int(i) for i in ident)}/{len(ident)}" if ident else "–"])
 
     findings = _findings(by, head_types, ks, base)
     ev = preset["eval"]
-    fit_min = sum(to_float(r["fit_s"]) for r in rows) / 60
-    eval_min = sum(to_float(r["eval_s"]) for r in rows) / 60
+    fit_min, eval_min = wall_minutes(rows)
     lines = [
         "# Head types: block, linear, Medusa and DeepSeek-V3 MTP heads",
         "",
@@ -131,8 +124,8 @@ def _findings(by: dict, head_types: list[str], ks: list[int], base: list[dict]) 
             rs = by.get((h, str(k)), [])
             if not rs or not base:
                 continue
-            stat, verdict = compare(_vals(rs, "next_token_loss"),
-                                     _vals(base, "next_token_loss"), m)
+            stat, verdict = compare(column(rs, "next_token_loss"),
+                                     column(base, "next_token_loss"), m)
             out.append(f"- Next-token loss, {h} heads at K = {k} vs the K = 1 baseline: {stat}: "
                        f"**{verdict}** (head-1 depth {rs[0]['head1_depth']} vs "
                        f"{base[0]['head1_depth']} blocks).")
@@ -140,7 +133,7 @@ def _findings(by: dict, head_types: list[str], ks: list[int], base: list[dict]) 
         rs = by.get((h, str(k_top)), [])
         if not rs or k_top < 3:
             continue
-        means = [summarize(_vals(rs, f"accept_pos{i}"))["mean"] for i in range(1, k_top)]
+        means = [summarize(column(rs, f"accept_pos{i}"))["mean"] for i in range(1, k_top)]
         falls = all(all(to_float(r[f"accept_pos{i + 1}"]) < to_float(r[f"accept_pos{i}"])
                         for i in range(1, k_top - 1)) for r in rs)
         out.append(f"- Acceptance by draft position, {h} heads (K = {k_top}): "
@@ -153,23 +146,23 @@ def _findings(by: dict, head_types: list[str], ks: list[int], base: list[dict]) 
             if not rs or not chained:
                 continue
             for i in range(1, k_top):
-                stat, verdict = compare(_vals(chained, f"accept_pos{i}"),
-                                         _vals(rs, f"accept_pos{i}"), m)
+                stat, verdict = compare(column(chained, f"accept_pos{i}"),
+                                         column(rs, f"accept_pos{i}"), m)
                 out.append(f"- Acceptance of draft {i}, deepseek vs {h} heads (K = {k_top}): "
                            f"{stat}: deepseek **{verdict}**.")
         out.append("  DeepSeek-V3 reports 85–90% acceptance for its first draft (one MTP "
                    "module, 671B parameters); the claim that a chain conditioned on its own "
                    "drafts is accepted more often than independent heads is what the rows "
                    "above test at this scale.")
-    ls = {h: summarize(_vals(by.get((h, str(k_top)), []), "spec_L"))["mean"]
+    ls = {h: summarize(column(by.get((h, str(k_top)), []), "spec_L"))["mean"]
           for h in head_types if by.get((h, str(k_top)))}
     if ls:
         best = max(ls, key=ls.get)
         out.append(f"- L at K = {k_top}: " + ", ".join(f"{h} {v:.2f}" for h, v in ls.items())
                    + f"; the highest mean is {best}'s.")
-        sp = {h: summarize(_vals(by[(h, str(k_top))], "spec_speedup_vs_k1"))["mean"]
+        sp = {h: summarize(column(by[(h, str(k_top))], "spec_speedup_vs_k1"))["mean"]
               for h in ls}
-        own = {h: summarize(_vals(by[(h, str(k_top))], "spec_speedup"))["mean"] for h in ls}
+        own = {h: summarize(column(by[(h, str(k_top))], "spec_speedup"))["mean"] for h in ls}
         out.append("- Wall-clock speedup of self-speculation at K = "
                    f"{k_top} (one CPU thread, batch 1), against the model's own greedy / the "
                    "K = 1 model's greedy: "

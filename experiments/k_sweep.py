@@ -32,9 +32,10 @@ if __package__ in (None, ""):  # run as a script, `python experiments/<study>.py
 import yaml  # noqa: E402
 
 from experiments import head_report  # noqa: E402
-from experiments.common import (  # noqa: E402 (a script puts the repository on the path first)
+from experiments.common import (
     REPO,
     ResultsCSV,
+    column,
     command_line,
     compare,
     criterion,
@@ -45,13 +46,14 @@ from experiments.common import (  # noqa: E402 (a script puts the repository on 
     markdown_table,
     mean_ci,
     parse_int_list,
+    per_seed,
     pm,
     provenance,
     provenance_line,
     single_thread,
     study_main,
     summarize,
-    to_float,
+    wall_minutes,  # noqa: E402 (a script puts the repository on the path first)
 )
 from mtp.config import InputError  # noqa: E402
 
@@ -419,7 +421,7 @@ def report(out: Path, preset: dict, command: str, note: str = "") -> str:
                       ("", base_n)], ["head1_depth"])
 
     def stat(k: int, col: str) -> dict:
-        return summarize(_vals(by[k], col))
+        return summarize(column(by[k], col))
 
     def series(col: str, only=lambda k: True) -> tuple[list, list, list]:
         xs = [k for k in ks if only(k) and stat(k, col)["n"]]
@@ -433,7 +435,7 @@ def report(out: Path, preset: dict, command: str, note: str = "") -> str:
                    "mean over heads": series("val_loss_mean")}
     matched = [k for k in ks if k > 1 and control(k)]
     if matched:
-        cs = [summarize(_vals(control(k), "next_token_loss")) for k in matched]
+        cs = [summarize(column(control(k), "next_token_loss")) for k in matched]
         loss_series["K = 1 control of head 1's depth"] = (matched, [c["mean"] for c in cs],
                                                           [c["std"] for c in cs])
     errorbar_plot(out / "loss_vs_k.png", loss_series, xlabel="K (heads)",
@@ -455,8 +457,8 @@ def report(out: Path, preset: dict, command: str, note: str = "") -> str:
         heads = " / ".join(f"{stat(k, f'loss_head{i}')['mean']:.3f}" for i in range(1, k + 1))
         ident = [r["spec_identical"] for r in rs if r.get("spec_identical", "") != ""]
         table.append([k, rs[0]["params"], rs[0].get("head1_depth") or "–", len(rs),
-                      pm(stat(k, "next_token_loss")), _per_seed(rs, "next_token_loss"),
-                      heads, pm(stat(k, "spec_L"), 2), _per_seed(rs, "spec_L", 2),
+                      pm(stat(k, "next_token_loss")), per_seed(rs, "next_token_loss"),
+                      heads, pm(stat(k, "spec_L"), 2), per_seed(rs, "spec_L", 2),
                       pm(stat(k, "spec_speedup"), 2) if k > 1 else "(baseline)",
                       pm(stat(k, "spec_speedup_vs_k1"), 2) if k > 1 else "–",
                       f"{sum(int(i) for i in ident)}/{len(ident)}" if ident else "–"])
@@ -464,11 +466,10 @@ def report(out: Path, preset: dict, command: str, note: str = "") -> str:
     for k in matched:
         c = control(k)
         depth_table.append([k, by[k][0]["head1_depth"], pm(stat(k, "next_token_loss")),
-                            pm(summarize(_vals(c, "next_token_loss"))), c[0]["params"],
-                            _per_seed(c, "next_token_loss")])
+                            pm(summarize(column(c, "next_token_loss"))), c[0]["params"],
+                            per_seed(c, "next_token_loss")])
     ev = preset["eval"]
-    fit_min = sum(to_float(r["fit_s"]) for r in rows) / 60
-    eval_min = sum(to_float(r["eval_s"]) for r in rows) / 60
+    fit_min, eval_min = wall_minutes(rows)
     lines = [
         "# K sweep: matched-parameter multi-token prediction",
         "",
@@ -535,15 +536,6 @@ def report(out: Path, preset: dict, command: str, note: str = "") -> str:
     return text
 
 
-def _vals(rows: list[dict], col: str) -> list[float]:
-    return [to_float(r.get(col, "")) for r in rows]
-
-
-def _per_seed(rows: list[dict], col: str, digits: int = 3) -> str:
-    return ", ".join(f"{to_float(r.get(col, '')):.{digits}f}"
-                     for r in sorted(rows, key=lambda r: int(r["seed"])))
-
-
 def verdicts(by: dict, ks: list[int], control) -> list[str]:
     """Each of the paper's findings the numbers can speak to, with its test, computed."""
     multi = [k for k in ks if k > 1]
@@ -553,16 +545,16 @@ def verdicts(by: dict, ks: list[int], control) -> list[str]:
     n = min(len(rs) for rs in by.values())
     out = [criterion(m, n), ""]
     if 1 in ks:
-        base = _vals(by[1], "next_token_loss")
+        base = column(by[1], "next_token_loss")
         objective = []
         for k in multi:
-            stat, verdict = compare(_vals(by[k], "next_token_loss"), base, m)
+            stat, verdict = compare(column(by[k], "next_token_loss"), base, m)
             out.append(f"- Next-token loss, K = {k} vs K = 1 at equal parameters: {stat}: "
                        f"**{verdict}**.")
             c = control(k)
             if c:
-                ctl = _vals(c, "next_token_loss")
-                stat, verdict = compare(_vals(by[k], "next_token_loss"), ctl, m)
+                ctl = column(c, "next_token_loss")
+                stat, verdict = compare(column(by[k], "next_token_loss"), ctl, m)
                 objective.append((k, verdict))
                 out.append(f"  - against the K = 1 control of head 1's depth "
                            f"({by[k][0]['head1_depth']} blocks), the objective itself: {stat}: "
@@ -582,9 +574,9 @@ def verdicts(by: dict, ks: list[int], control) -> list[str]:
                        " (K against its depth-matched control).")
     if len(ks) > 1:
         for a, b in steps:
-            stat, verdict = compare(_vals(by[b], "spec_L"), _vals(by[a], "spec_L"), m, 2)
+            stat, verdict = compare(column(by[b], "spec_L"), column(by[a], "spec_L"), m, 2)
             out.append(f"- L, K = {b} vs K = {a}: {stat}: **{verdict}**.")
-        ls = [summarize(_vals(by[k], "spec_L"))["mean"] for k in ks]
+        ls = [summarize(column(by[k], "spec_L"))["mean"] for k in ks]
         out.append("  Paper: L of about 3.5 at K = 4 on 7B models; here "
                    + ", ".join(f"{v:.2f}" for v in ls) + " for K = " + ", ".join(map(str, ks))
                    + ".")
@@ -592,7 +584,7 @@ def verdicts(by: dict, ks: list[int], control) -> list[str]:
                       ("spec_speedup_vs_k1", "the K = 1 model's greedy")):
         cells = []
         for k in multi:
-            v = [x for x in _vals(by[k], col) if x == x]
+            v = [x for x in column(by[k], col) if x == x]
             if v:
                 mean, lo, hi = mean_ci(v)
                 faster = "faster" if lo > 1 else "slower" if hi < 1 else "not distinguishable"
@@ -606,7 +598,7 @@ def verdicts(by: dict, ks: list[int], control) -> list[str]:
     out.append(f"- Greedy self-speculative output equals plain greedy output in "
                f"{sum(int(i) for i in ident)} of {len(ident)} runs (required: all).")
     solved = max((x for k in ks for c in ("humaneval_pass@1", "mbpp_pass@1")
-                  for x in _vals(by[k], c) if x == x), default=float("nan"))
+                  for x in column(by[k], c) if x == x), default=float("nan"))
     if solved == solved:
         out.append("- HumanEval / MBPP pass@1 (paper: K = 4 beats K = 1 at several billion "
                    "parameters): " + ("**not testable at this scale**: no model solves a "

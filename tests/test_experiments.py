@@ -252,7 +252,8 @@ def test_fit_argv_resumes_from_last_checkpoint(tmp_path):
     assert argv[argv.index("--ckpt_path") + 1] == str(last)
 
 
-def test_k_sweep_runs_reports_and_skips_finished_runs(tiny_corpus, tmp_path, monkeypatch):
+def _tiny_preset(tiny_corpus, tmp_path, **fields) -> Path:
+    """A K-sweep preset of seconds: the debug model, 4 steps, a tiny corpus, cheap evaluation."""
     preset = {
         "fit_config": "configs/debug.yaml",
         "fit": {"trainer": {"max_steps": 4, "val_check_interval": 2, "limit_val_batches": 1,
@@ -261,13 +262,19 @@ def test_k_sweep_runs_reports_and_skips_finished_runs(tiny_corpus, tmp_path, mon
                          "max_documents": None, "val_fraction": 0.2, "seq_len": 16,
                          "batch_size": 4},
                 "model": {"vocab_size": 300, "n_layers": 2, "max_seq_len": 64}},
-        "ks": [1, 2], "seeds": [0], "depth_controls": True,
+        "seeds": [0],
         "eval": {"device": "cpu", "val_windows": 4, "humaneval_limit": 0, "mbpp_limit": 0,
                  "max_new_tokens": 4, "batch_size": 2, "workers": 1, "spec_prompts": 2,
-                 "spec_prompt_tokens": 4, "spec_new_tokens": 6},
+                 "spec_prompt_tokens": 4, "spec_new_tokens": 6, "spec_repeat": 2},
+        **fields,
     }
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(preset))
+    return path
+
+
+def test_k_sweep_runs_reports_and_skips_finished_runs(tiny_corpus, tmp_path, monkeypatch):
+    path = _tiny_preset(tiny_corpus, tmp_path, ks=[1, 2], depth_controls=True)
     out, work = tmp_path / "out", tmp_path / "work"
     monkeypatch.setattr(k_sweep, "single_thread", lambda: None)  # keep the session's threads
     argv = ["--preset", str(path), "--out", str(out), "--work", str(work)]
@@ -342,21 +349,7 @@ def test_environment_names_uncommitted_code_but_not_the_studys_own_outputs(tmp_p
 
 
 def test_k_sweep_compares_head_types(tiny_corpus, tmp_path, monkeypatch):
-    preset = {
-        "fit_config": "configs/debug.yaml",
-        "fit": {"trainer": {"max_steps": 4, "val_check_interval": 2, "limit_val_batches": 1,
-                            "devices": 1, "accelerator": "cpu", "enable_progress_bar": False},
-                "data": {"source": str(tiny_corpus), "cache_dir": str(tmp_path / "cache"),
-                         "max_documents": None, "val_fraction": 0.2, "seq_len": 16,
-                         "batch_size": 4},
-                "model": {"vocab_size": 300, "n_layers": 2, "max_seq_len": 64}},
-        "ks": [1, 3], "seeds": [0],
-        "eval": {"device": "cpu", "val_windows": 4, "humaneval_limit": 0, "mbpp_limit": 0,
-                 "max_new_tokens": 4, "batch_size": 2, "workers": 1, "spec_prompts": 2,
-                 "spec_prompt_tokens": 4, "spec_new_tokens": 6, "spec_repeat": 2},
-    }
-    path = tmp_path / "tiny.yaml"
-    path.write_text(yaml.safe_dump(preset))
+    path = _tiny_preset(tiny_corpus, tmp_path, ks=[1, 3])
     out, work = tmp_path / "out", tmp_path / "work"
     monkeypatch.setattr(k_sweep, "single_thread", lambda: None)
     argv = ["--preset", str(path), "--out", str(out), "--work", str(work),
