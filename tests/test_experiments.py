@@ -321,7 +321,7 @@ def test_a_malformed_preset_is_named(tmp_path, capsys, text, why):
 
 def test_an_unknown_preset_names_the_known_ones(capsys):
     assert common.study_main(lambda: k_sweep.main(["--preset", "nonsense"])) == 2
-    assert "--preset nonsense: no such preset for k_sweep (known: cpu, gpu, heads_cpu)" in \
+    assert "--preset nonsense: no such preset for k_sweep (known: bytes_cpu, cpu, gpu, heads_cpu)" in \
         capsys.readouterr().err
 
 
@@ -409,3 +409,36 @@ def test_studies_run_as_modules_and_as_scripts(form):
         proc = subprocess.run([sys.executable, *target, "--help"], cwd=REPO, env=env,
                               capture_output=True, text=True)
         assert proc.returncode == 0 and "--preset" in proc.stdout, proc.stderr
+
+
+def _synthetic_rows(out: Path, losses: dict[int, list[float]]) -> None:
+    """A results.csv of made-up runs: K -> next-token loss per seed."""
+    table = k_sweep.results(out)
+    for k, values in losses.items():
+        for seed, loss in enumerate(values):
+            table.append({"head_type": "block", "K": k, "n_layers": 8, "seed": seed,
+                          "params": 1000, "steps": 10, "head1_depth": 10 - k,
+                          "next_token_loss": loss, "val_loss_mean": loss,
+                          **{f"loss_head{i}": loss for i in range(1, k + 1)},
+                          "spec_L": 1.0 + 0.1 * k, "spec_identical": 1, "spec_speedup": 1.1,
+                          "fit_s": 1, "eval_s": 1, "git": "abc1234", "environment": "here",
+                          "utc": "2026-12-02 00:00"})
+
+
+@pytest.mark.parametrize(("seeds", "verdict"), [(3, "not distinguishable"), (5, "reproduced")])
+def test_byte_level_report_gives_bits_per_byte_and_a_computed_verdict(tmp_path, seeds,
+                                                                      verdict):
+    out = tmp_path / "out"
+    # K = 8 clearly below K = 1: three seeds cannot show it (p >= 0.1), five can
+    _synthetic_rows(out, {1: [2.0 + 0.01 * s for s in range(seeds)],
+                          8: [1.5 + 0.01 * s for s in range(seeds)]})
+    preset = common.load_preset("k_sweep", "bytes_cpu")
+    page = k_sweep.report(out, preset, "python experiments/k_sweep.py --preset bytes_cpu")
+    header = next(x for x in page.splitlines() if x.startswith("| K |"))
+    assert "| per seed | bits per byte |" in header
+    row = next(x for x in page.splitlines() if x.startswith("| 1 |"))
+    mean = sum(2.0 + 0.01 * s for s in range(seeds)) / seeds
+    assert f"| {mean / math.log(2):.3f} ± " in row  # K = 1's mean in bits
+    line = next(x for x in page.splitlines() if "byte-level models gain the most" in x)
+    assert f"**{verdict}" in line
+    assert "Made by git abc1234 (committed code)" in page
