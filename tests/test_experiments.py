@@ -321,8 +321,8 @@ def test_a_malformed_preset_is_named(tmp_path, capsys, text, why):
 
 def test_an_unknown_preset_names_the_known_ones(capsys):
     assert common.study_main(lambda: k_sweep.main(["--preset", "nonsense"])) == 2
-    assert "--preset nonsense: no such preset for k_sweep (known: bytes_cpu, cpu, gpu, heads_cpu)" in \
-        capsys.readouterr().err
+    assert ("--preset nonsense: no such preset for k_sweep (known: bytes_cpu, cpu, gpu, "
+            "heads_cpu)") in capsys.readouterr().err
 
 
 def test_environment_names_uncommitted_code_but_not_the_studys_own_outputs(tmp_path,
@@ -425,11 +425,9 @@ def _synthetic_rows(out: Path, losses: dict[int, list[float]]) -> None:
                           "utc": "2026-12-02 00:00"})
 
 
-@pytest.mark.parametrize(("seeds", "verdict"), [(3, "not distinguishable"), (5, "reproduced")])
-def test_byte_level_report_gives_bits_per_byte_and_a_computed_verdict(tmp_path, seeds,
-                                                                      verdict):
-    out = tmp_path / "out"
-    # K = 8 clearly below K = 1: three seeds cannot show it (p >= 0.1), five can
+def test_byte_level_report_gives_bits_per_byte_and_a_computed_verdict(tmp_path):
+    out, seeds, verdict = tmp_path / "out", 5, "reproduced"
+    # K = 8 clearly below K = 1 in five seeds (three could not show it: p >= 0.1)
     _synthetic_rows(out, {1: [2.0 + 0.01 * s for s in range(seeds)],
                           8: [1.5 + 0.01 * s for s in range(seeds)]})
     preset = common.load_preset("k_sweep", "bytes_cpu")

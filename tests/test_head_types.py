@@ -68,9 +68,9 @@ def test_speculative_greedy_equals_greedy_random_model(head_type, K, decoder, kw
 def test_speculative_greedy_equals_greedy_with_acceptance(trained, decoder, kwargs):
     rejected, per_forward = 0, []
     for model in trained:
-        prompts = cyclic_prompts(model, 16, seed=4)
-        ref, _ = generate(model, prompts, 40)
-        out, stats = generate(model, prompts, 40, decoder=decoder, **kwargs)
+        prompts = cyclic_prompts(model, 12, seed=4)
+        ref, _ = generate(model, prompts, 32)
+        out, stats = generate(model, prompts, 32, decoder=decoder, **kwargs)
         assert out == ref, model.cfg.head_type
         rejected += stats.accepted[1] - len(prompts)  # rounds (besides prefills) of one token
         per_forward.append(stats.tokens_per_forward)
