@@ -134,11 +134,23 @@ def _findings(by: dict, head_types: list[str], ks: list[int], base: list[dict]) 
         if not rs or k_top < 3:
             continue
         means = [summarize(column(rs, f"accept_pos{i}"))["mean"] for i in range(1, k_top)]
-        falls = all(all(to_float(r[f"accept_pos{i + 1}"]) < to_float(r[f"accept_pos{i}"])
+        falls = sum(all(to_float(r[f"accept_pos{i + 1}"]) < to_float(r[f"accept_pos{i}"])
                         for i in range(1, k_top - 1)) for r in rs)
-        out.append(f"- Acceptance by draft position, {h} heads (K = {k_top}): "
-                   f"{' → '.join(f'{v:.2f}' for v in means)}; it falls at every position in "
-                   f"{'every' if falls else 'not every'} seed.")
+        # the chance that draft i is accepted at all: the product of the rates up to it
+        reach = []
+        for r in rs:
+            p, seq = 1.0, []
+            for i in range(1, k_top):
+                p *= to_float(r[f"accept_pos{i}"])
+                seq.append(p)
+            reach.append(seq)
+        reached = [summarize(seq[i] for seq in reach)["mean"] for i in range(k_top - 1)]
+        out.append(f"- Acceptance by draft position, {h} heads (K = {k_top}): given the "
+                   f"earlier drafts were accepted {' → '.join(f'{v:.2f}' for v in means)}, "
+                   f"falling at every position in {falls} of {len(rs)} seeds (a conditional "
+                   "rate may rise with depth: only rounds whose earlier drafts were accepted "
+                   "count); accepted at all (the product up to each draft) "
+                   f"{' → '.join(f'{v:.2f}' for v in reached)}.")
     if "deepseek" in head_types:
         chained = by.get(("deepseek", str(k_top)), [])
         for h in parallel:
