@@ -12,6 +12,7 @@ import csv
 import math
 import os
 import platform
+import shlex
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -378,7 +379,7 @@ def command_line() -> str:
     # `--report-only` rewrites a report from its CSV; the command that makes the numbers is the
     # same one without it.
     args = [a for a in sys.argv[1:] if a != "--report-only"]
-    return " ".join(["python", str(script), *args])
+    return shlex.join(["python", str(script), *args])
 
 
 def log_hparams(log_dir: Path, hparams: dict, metrics: dict) -> None:
