@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 
-from experiments import arithmetic, common, induction, k_sweep
+from experiments import arithmetic, common, induction, k_report, k_sweep
 from experiments.synthetic import (
     InductionTask,
     PolynomialTask,
@@ -431,7 +431,8 @@ def test_byte_level_report_gives_bits_per_byte_and_a_computed_verdict(tmp_path):
     _synthetic_rows(out, {1: [2.0 + 0.01 * s for s in range(seeds)],
                           8: [1.5 + 0.01 * s for s in range(seeds)]})
     preset = common.load_preset("k_sweep", "bytes_cpu")
-    page = k_sweep.report(out, preset, "python experiments/k_sweep.py --preset bytes_cpu")
+    page = k_report.report(out, preset, "python experiments/k_sweep.py --preset bytes_cpu",
+                           k_sweep.results(out).rows(), k_sweep.base_layers(preset))
     header = next(x for x in page.splitlines() if x.startswith("| K |"))
     assert "| per seed | bits per byte |" in header
     row = next(x for x in page.splitlines() if x.startswith("| 1 |"))
