@@ -74,8 +74,9 @@ def test_speculative_greedy_equals_greedy_with_acceptance(trained, decoder, kwar
         assert out == ref, model.cfg.head_type
         rejected += stats.accepted[1] - len(prompts)  # rounds (besides prefills) of one token
         per_forward.append(stats.tokens_per_forward)
-    # drafts were accepted (by the trained model, mostly) and rejected (by the early one)
-    assert per_forward[0] > 1.3 and rejected > 0, per_forward
+    if not kwargs.get("adaptive"):  # an adaptive round drafts only what it measures to pay
+        # drafts were accepted (by the trained model, mostly) and rejected (by the early one)
+        assert per_forward[0] > 1.3 and rejected > 0, per_forward
 
 
 def test_draft_model_decoding_with_a_chained_target_and_draft(trained):
