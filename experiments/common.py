@@ -196,10 +196,11 @@ def permutation_p(a: Sequence[float], b: Sequence[float]) -> float:
     return hits / total
 
 
-def bootstrap_ci(a: Sequence[float], b: Sequence[float], *, reps: int = 10000,
-                 seed: int = 0) -> tuple[float, float]:
-    """95% percentile bootstrap interval of mean(a) - mean(b), each group resampled with
-    replacement on its own (fixed seed: a report rebuilt from its CSV prints the same)."""
+def bootstrap_ci(a: Sequence[float], b: Sequence[float], *, level: float = 0.95,
+                 reps: int = 10000, seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap interval of mean(a) - mean(b) at confidence `level`, each group
+    resampled with replacement on its own (fixed seed: a report rebuilt from its CSV prints the
+    same)."""
     import random
 
     a, b = [v for v in a if not math.isnan(v)], [v for v in b if not math.isnan(v)]
@@ -208,26 +209,35 @@ def bootstrap_ci(a: Sequence[float], b: Sequence[float], *, reps: int = 10000,
     rng = random.Random(seed)
     diffs = sorted(sum(rng.choices(a, k=len(a))) / len(a) - sum(rng.choices(b, k=len(b))) / len(b)
                    for _ in range(reps))
-    return diffs[int(0.025 * reps)], diffs[int(0.975 * reps) - 1]
+    tail = (1 - level) / 2
+    return diffs[int(tail * reps)], diffs[max(int((1 - tail) * reps) - 1, int(tail * reps))]
 
 
 ALPHA = 0.05
+#: Groups smaller than this get no verdict: a bootstrap of fewer values says little.
+MIN_SEEDS = 5
 
 
 def compare(a: Sequence[float], b: Sequence[float], m: int = 1,
             digits: int = 3) -> tuple[str, str]:
-    """mean(a) - mean(b) with its 95% bootstrap interval and exact permutation p, and a verdict:
-    `higher` / `lower` when the interval excludes 0 and p < ALPHA / m (Bonferroni over m
-    comparisons), else `not distinguishable`."""
+    """mean(a) - mean(b) with its bootstrap interval at confidence 1 - ALPHA / m (Bonferroni
+    over m comparisons) and the exact permutation p, and a verdict: `higher` / `lower` when the
+    interval excludes 0, `not distinguishable` when it does not, and `too few seeds` when a
+    group has fewer than MIN_SEEDS values."""
+    a, b = [v for v in a if not math.isnan(v)], [v for v in b if not math.isnan(v)]
     diff = summarize(a)["mean"] - summarize(b)["mean"]
-    lo, hi = bootstrap_ci(a, b)
+    level = 1 - ALPHA / m
+    lo, hi = bootstrap_ci(a, b, level=level)
     p = permutation_p(a, b)
-    clear = p < ALPHA / m and (lo > 0 or hi < 0)
-    verdict = ("higher" if diff > 0 else "lower") if clear else "not distinguishable"
-    n_a = sum(not math.isnan(v) for v in a)
-    n_b = sum(not math.isnan(v) for v in b)
-    return (f"Δ = {diff:+.{digits}f}, 95% bootstrap interval [{lo:+.{digits}f}, "
-            f"{hi:+.{digits}f}], exact permutation p = {p:.3f} (n = {n_a} vs {n_b})", verdict)
+    if min(len(a), len(b)) < MIN_SEEDS:
+        verdict = f"too few seeds for a verdict (fewer than {MIN_SEEDS})"
+    elif lo > 0 or hi < 0:
+        verdict = "higher" if diff > 0 else "lower"
+    else:
+        verdict = "not distinguishable"
+    return (f"Δ = {diff:+.{digits}f}, {100 * level:.2f}% bootstrap interval "
+            f"[{lo:+.{digits}f}, {hi:+.{digits}f}], exact permutation p = {p:.3f} "
+            f"(n = {len(a)} vs {len(b)})", verdict)
 
 
 def mean_ci(a: Sequence[float]) -> tuple[float, float, float]:
@@ -240,11 +250,14 @@ def criterion(m: int, n: int) -> str:
     """The sentence that states the criterion of `compare` for a report."""
     from math import comb
 
-    return (f"Criterion of every verdict: the 95% bootstrap interval of the difference "
-            f"excludes 0 and the exact permutation p is below {ALPHA} / {m} = {ALPHA / m:.4f} "
-            f"(Bonferroni over the report's {m} comparisons). With {n} seeds per group the "
-            f"smallest possible p is 2 / C({2 * n}, {n}) = {2 / comb(2 * n, n):.3f}; per-seed "
-            "values are in the tables.")
+    floor = 2 / comb(2 * n, n) if n else float("nan")
+    return (f"Criterion of every verdict: the percentile bootstrap interval of the difference "
+            f"of means at confidence 1 − {ALPHA} / {m} = {100 * (1 - ALPHA / m):.2f}% "
+            f"(Bonferroni over the report's {m} comparisons) excludes 0; groups of fewer than "
+            f"{MIN_SEEDS} seeds get no verdict. The exact permutation p is printed beside it as "
+            f"a check that assumes nothing about the distribution; with {n} seeds per group it "
+            f"cannot fall below 2 / C({2 * n}, {n}) = {floor:.3f}. Per-seed values are in the "
+            "tables.")
 
 
 def provenance() -> dict[str, str]:
