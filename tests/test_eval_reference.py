@@ -42,9 +42,9 @@ MBPP_SHARED = ["Mbpp/367", "Mbpp/40", "Mbpp/88"]
 
 
 @pytest.mark.parametrize("name, data_file, every", [
-    # half of HumanEval and a fifth of MBPP with its three shared-mode tasks by default (a
-    # minute and a quarter saved); all of both with -m slow
-    ("humaneval", None, 2),
+    # a third of HumanEval and a fifth of MBPP with its three shared-mode tasks by default (a
+    # minute and a half saved); all of both with -m slow
+    ("humaneval", None, 3),
     pytest.param("humaneval", None, 1, marks=pytest.mark.slow, id="humaneval-all"),
     ("mbpp", MBPP_FILE, 5),
     pytest.param("mbpp", MBPP_FILE, 1, marks=pytest.mark.slow, id="mbpp-all"),
