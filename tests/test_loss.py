@@ -124,9 +124,10 @@ class _LargestTensor(TorchDispatchMode):
         return out
 
 
-def test_sequential_pass_never_holds_an_n_by_v_buffer():
+@pytest.mark.parametrize("head_type", ["block", "deepseek"])
+def test_sequential_pass_never_holds_an_n_by_v_buffer(head_type):
     V, B, T = 16384, 4, 64  # N = 256 tokens; the CPU path takes 128 tokens x V at a time
-    model, inputs, targets = _setup(4, V=V, B=B, T=T, ignore=False)
+    model, inputs, targets = _setup(4, V=V, B=B, T=T, ignore=False, head_type=head_type)
     N = B * T
     for fn, holds_logits in ((naive_mtp_loss, True), (sequential_mtp_loss, False)):
         model.zero_grad()
