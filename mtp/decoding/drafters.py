@@ -45,14 +45,14 @@ class Drafter:
 
     max_drafts = 0
     """The most drafts per row a round can verify (a tree's depth)."""
+    deferred = 0.0
+    """Seconds of the last round spent on work deferred from earlier rounds (heads 2..h catching
+    up on tokens committed without drafting): not the cost of the round's own choice."""
+
     @property
     def slots_needed(self) -> int:
         """Cache slots a round writes past the committed ones."""
         return self.max_drafts + 1
-
-    deferred = 0.0
-    """Seconds of the last round spent on work deferred from earlier rounds (heads 2..h catching
-    up on tokens committed without drafting): not the cost of the round's own choice."""
 
     def start(self, ctx: Context, prompts: list[list[int]], trunk: Trunk,
               pending: torch.Tensor) -> None:
