@@ -49,6 +49,27 @@ def study_main(main: Callable[[], int]) -> int:
         return 2
 
 
+def _single_threaded(fn: Callable, args: tuple):
+    single_thread()
+    return fn(*args)
+
+
+def map_runs(fn: Callable, calls: Sequence[tuple], jobs: int = 1) -> Iterable:
+    """`fn(*args)` for every args of `calls`, `jobs` worker processes at a time (spawned, one
+    CPU thread each; `fn` must be a module-level function), yielding results as they finish so
+    that the caller can record each run at once."""
+    if jobs < 2 or len(calls) < 2:
+        for args in calls:
+            yield fn(*args)
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for done in as_completed([pool.submit(_single_threaded, fn, a) for a in calls]):
+            yield done.result()
+
+
 def load_preset(study: str, name_or_path: str) -> dict:
     """A study's preset: `experiments/presets/<study>_<name>.yaml` or an explicit YAML path."""
     path = Path(name_or_path)
@@ -140,38 +161,15 @@ def to_float(v: object) -> float:
 
 # -- statistics --------------------------------------------------------------------------------
 
-#: Two-sided 95% Student-t quantiles by degrees of freedom (scipy is not a dependency).
-_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
-        9: 2.262, 10: 2.228, 15: 2.131, 20: 2.086, 30: 2.042}
-
-
-def t95(df: int) -> float:
-    """The 0.975 quantile of Student's t with `df` degrees of freedom (conservative between)."""
-    if df < 1:
-        return float("nan")
-    if df > 30:
-        return 1.96
-    return _T95[max(k for k in _T95 if k <= df)]
-
-
 def summarize(values: Iterable[float]) -> dict[str, float]:
-    """Mean, sample standard deviation, count and 95% confidence half-width of the finite values."""
+    """Mean, sample standard deviation and count of the finite values."""
     xs = [v for v in values if not math.isnan(v)]
     n = len(xs)
     if n == 0:
-        return {"mean": float("nan"), "std": float("nan"), "n": 0, "ci95": float("nan")}
+        return {"mean": float("nan"), "std": float("nan"), "n": 0}
     mean = sum(xs) / n
     std = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1)) if n > 1 else float("nan")
-    return {"mean": mean, "std": std, "n": n, "ci95": t95(n - 1) * std / math.sqrt(n)}
-
-
-def welch_t(a: Sequence[float], b: Sequence[float]) -> float:
-    """Welch's t statistic of mean(a) - mean(b) (nan with fewer than two values in either)."""
-    sa, sb = summarize(a), summarize(b)
-    if sa["n"] < 2 or sb["n"] < 2:
-        return float("nan")
-    se = math.sqrt(sa["std"] ** 2 / sa["n"] + sb["std"] ** 2 / sb["n"])
-    return (sa["mean"] - sb["mean"]) / se if se > 0 else float("nan")
+    return {"mean": mean, "std": std, "n": n}
 
 
 def permutation_p(a: Sequence[float], b: Sequence[float]) -> float:
@@ -258,6 +256,33 @@ def criterion(m: int, n: int) -> str:
             f"a check that assumes nothing about the distribution; with {n} seeds per group it "
             f"cannot fall below 2 / C({2 * n}, {n}) = {floor:.3f}. Per-seed values are in the "
             "tables.")
+
+
+def above_floor(values: Sequence[float], floor: float, digits: int = 3) -> tuple[str, bool]:
+    """Whether a baseline learned: the mean of `values` with its 95% bootstrap interval, and
+    whether the interval lies above `floor` (what a model that learned nothing scores)."""
+    mean, lo, hi = mean_ci([v for v in values if not math.isnan(v)])
+    return (f"{mean:.{digits}f}, 95% bootstrap interval [{lo:.{digits}f}, {hi:.{digits}f}] "
+            f"against a floor of {floor:.{digits}f} (n = {len(values)})"), lo > floor
+
+
+def finding(verdict: str, predicted: str) -> str:
+    """A paper finding's status from a `compare` verdict, `predicted` being the direction the
+    paper reports (`higher` or `lower`)."""
+    if verdict == predicted:
+        return "reproduced"
+    if verdict in ("higher", "lower"):
+        return "contradicted"
+    if verdict == "not distinguishable":
+        return "not resolved by the criterion"
+    return "not testable: " + verdict
+
+
+def head1_depth(model) -> int:
+    """Transformer blocks on a model's next-token path (trunk and head 1)."""
+    from mtp.layers import Block
+
+    return model.cfg.n_trunk_layers + sum(isinstance(m, Block) for m in model.heads[0].modules())
 
 
 def provenance() -> dict[str, str]:
@@ -350,6 +375,32 @@ def errorbar_plot(path: Path, series: dict[str, tuple[list[float], list[float], 
     ax.grid(alpha=0.3)
     if len(series) > 1 or hline_label:
         ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def curve_plot(path: Path, curves: dict[str, list[list[tuple[int, float]]]], *, ylabel: str,
+               title: str, hline: float | None = None, hline_label: str | None = None) -> None:
+    """Learning curves, one thin line per seed and one colour per label {label: [curve]}."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.8), dpi=110)
+    for i, (label, runs) in enumerate(curves.items()):
+        for j, run in enumerate(runs):
+            ax.plot([s for s, _ in run], [v for _, v in run], color=f"C{i}", alpha=0.6,
+                    linewidth=1, label=label if j == 0 else None)
+    if hline is not None:
+        ax.axhline(hline, color="grey", linestyle="--", linewidth=1, label=hline_label)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)

@@ -36,6 +36,7 @@ from experiments.common import (
     REPO,
     ResultsCSV,
     command_line,
+    head1_depth,
     load_preset,
     log_hparams,
     parse_int_list,
@@ -289,7 +290,6 @@ def evaluate(preset: dict, k: int, seed: int, run_dir: Path, head_type: str = "b
     from mtp.checkpoint import load_checkpoint
     from mtp.config import DataConfig
     from mtp.data import build_datamodule
-    from mtp.layers import Block
     from mtp.vocab import eot_id
 
     ev = preset["eval"]
@@ -297,10 +297,9 @@ def evaluate(preset: dict, k: int, seed: int, run_dir: Path, head_type: str = "b
     model, tokenizer = load_checkpoint(ckpt, device=ev["device"])
     cfg = yaml.safe_load((run_dir / "fit.yaml").read_text())
     # head 1's path: the trunk's blocks and those of head 1 itself
-    depth = model.cfg.n_trunk_layers + sum(isinstance(m, Block) for m in model.heads[0].modules())
     row: dict = {"head_type": head_type, "n_layers": model.cfg.n_layers,
                  "params": model.num_params(), "steps": cfg["trainer"]["max_steps"],
-                 "head1_depth": depth}
+                 "head1_depth": head1_depth(model)}
     base = None if baseline is None or k == 1 else load_checkpoint(baseline,
                                                                    device=ev["device"])[0]
     start = time.perf_counter()

@@ -19,8 +19,9 @@ and greedy decoding agree, since greedy only continues an answer whose prefix is
 
 from __future__ import annotations
 
-import math
 import time
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import lightning as L
@@ -233,14 +234,49 @@ class SyntheticDataModule(L.LightningDataModule):
         return DataLoader(self.val_set, batch_size=self.batch_size, num_workers=0)
 
 
+class _Probe(L.Callback):
+    """Scores the model every `every` optimizer steps while it trains: a learning curve.
+
+    The time spent scoring is kept apart, so the training time of a run does not depend on how
+    often it is probed.
+    """
+
+    def __init__(self, score: Callable[[MTPTransformer], float], every: int) -> None:
+        self.score, self.every = score, every
+        self.curve: list[tuple[int, float]] = []
+        self.seconds = 0.0
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        if step % self.every and step != trainer.max_steps:
+            return
+        start = time.perf_counter()
+        module.model.eval()
+        self.curve.append((step, float(self.score(module.model))))
+        module.model.train()
+        self.seconds += time.perf_counter() - start
+
+
+@dataclass
+class Trained:
+    """What `train_model` returns."""
+
+    model: MTPTransformer
+    """The trained model, in eval mode, on the device it trained on."""
+    seconds: float
+    """Training wall time, probing excluded."""
+    curve: list[tuple[int, float]]
+    """(optimizer step, probe score) every `probe_every` steps and at the last step; empty
+    without a probe."""
+
+
 def train_model(task, model_cfg: ModelConfig, optim_cfg: OptimConfig, *, seq_len: int,
                 batch_size: int, steps: int, seed: int, log_dir: str | None = None,
-                accelerator: str = "cpu") -> tuple[MTPTransformer, float]:
-    """Train an MTP model on a generated task with `MTPModule` and `lightning.Trainer`.
-
-    Returns the trained model (eval mode, on the training device) and the training wall time
-    in seconds.
-    """
+                accelerator: str = "cpu",
+                probe: Callable[[MTPTransformer], float] | None = None,
+                probe_every: int = 100) -> Trained:
+    """Train an MTP model on a generated task with `MTPModule` and `lightning.Trainer`,
+    scoring it with `probe` every `probe_every` steps (a learning curve) when one is given."""
     L.seed_everything(seed, verbose=False)
     module = MTPModule(model_cfg, optim_cfg, LossConfig())
     dm = SyntheticDataModule(task, seq_len=seq_len, n_future=model_cfg.n_future,
@@ -250,16 +286,18 @@ def train_model(task, model_cfg: ModelConfig, optim_cfg: OptimConfig, *, seq_len
         from lightning.pytorch.loggers import TensorBoardLogger
 
         logger = TensorBoardLogger(log_dir, name="", version="", default_hp_metric=False)
+    probes = [] if probe is None else [_Probe(probe, probe_every)]
     trainer = L.Trainer(max_steps=steps, accelerator=accelerator, devices=1, logger=logger,
-                        enable_checkpointing=False, enable_progress_bar=False,
+                        callbacks=probes, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, limit_val_batches=0,
                         num_sanity_val_steps=0, gradient_clip_val=1.0,
                         log_every_n_steps=max(1, steps // 20), use_distributed_sampler=False)
     start = time.perf_counter()
     trainer.fit(module, datamodule=dm)
-    seconds = time.perf_counter() - start
+    seconds = time.perf_counter() - start - sum(p.seconds for p in probes)
     # Lightning hands the module back on the CPU; evaluate where it trained.
-    return module.model.to(trainer.strategy.root_device).eval(), seconds
+    return Trained(module.model.to(trainer.strategy.root_device).eval(), seconds,
+                   probes[0].curve if probes else [])
 
 
 # -- evaluation --------------------------------------------------------------------------------
@@ -330,11 +368,27 @@ def arithmetic_accuracy(model: MTPTransformer, task: PolynomialTask, n_ops: int,
     return exact / n_examples, coef / (n_examples * task.m)
 
 
+def majority_answer(task: PolynomialTask, *, n_examples: int = 20_000,
+                    seed: int = 20_000) -> tuple[int, ...]:
+    """The most frequent answer of the training distribution, counted on examples of a stream
+    of their own (neither training nor evaluation examples)."""
+    counts = Counter(tuple(ex[start : start + task.m])
+                     for ex, start in (task.example(_rng(seed, TRAIN, i))
+                                       for i in range(n_examples)))
+    return counts.most_common(1)[0][0]
+
+
+def majority_accuracy(task: PolynomialTask, n_ops: int, *, n_examples: int,
+                      seed: int = 10_000) -> float:
+    """Exact-match accuracy of always giving `majority_answer`, on the very examples that
+    `arithmetic_accuracy` scores: the floor of a model that ignores the question (products
+    make some answers, (0, 0) above all, far likelier than 1 / p^m)."""
+    answer = majority_answer(task)
+    return sum(tuple(ex[start : start + task.m]) == answer
+               for ex, start in (task.example(_rng(seed + n_ops, TEST, i), n_ops)
+                                 for i in range(n_examples))) / n_examples
+
+
 def param_count(model_cfg: ModelConfig) -> int:
     """Parameters of a model config (all of them, embeddings included)."""
     return MTPTransformer(model_cfg).num_params()
-
-
-def chance_exact(task: PolynomialTask) -> float:
-    """Exact-match accuracy of uniform guessing."""
-    return math.pow(task.p, -task.m)

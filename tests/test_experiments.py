@@ -192,7 +192,6 @@ def test_summarize_matches_numpy():
     s = common.summarize(xs + [float("nan")])
     assert s["n"] == 3 and s["mean"] == pytest.approx(np.mean(xs))
     assert s["std"] == pytest.approx(np.std(xs, ddof=1))
-    assert s["ci95"] == pytest.approx(4.303 * np.std(xs, ddof=1) / math.sqrt(3))
 
 
 def _write_csv(path: Path, columns: list[str], rows: list[dict]) -> None:
@@ -203,24 +202,104 @@ def _write_csv(path: Path, columns: list[str], rows: list[dict]) -> None:
         w.writerows(rows)
 
 
-def test_induction_and_arithmetic_reports_from_a_small_csv(tmp_path):
-    rows = [{"d_model": d, "K": k, "seed": s, "params": 1000 * d, "n_layers": 2, "steps": 10,
-             "copy_acc": 0.3 + 0.1 * k + 0.01 * s, "chance": 1 / 32, "train_s": 1.0}
-            for d in (32, 64) for k in (1, 2) for s in range(3)]
-    _write_csv(tmp_path / "ind" / "results.csv", induction.COLUMNS, rows)
-    text = induction.report(tmp_path / "ind", common.load_preset("induction", "cpu"), "cmd")
-    assert (tmp_path / "ind" / "induction_accuracy.png").stat().st_size > 0
-    assert "reproduces" in text and "cmd" in text
+_PROV = {"git": "abc1234", "environment": "here", "utc": "2026-12-02 00:00"}
 
-    rows = [{"d_model": 64, "K": k, "seed": s, "params": 5000, "steps": 10, "acc_in": 0.5,
-             "acc_out": 0.1 + 0.01 * s, "coef_acc_in": 0.7, "coef_acc_out": 0.3,
-             "acc_by_ops": json.dumps({1: 0.6, 2: 0.4, 3: 0.1 + 0.01 * s}), "chance": 0.02,
-             "train_s": 1.0} for k in (1, 2, 4) for s in range(3)]
-    _write_csv(tmp_path / "ar" / "results.csv", arithmetic.COLUMNS, rows)
-    arithmetic.report(tmp_path / "ar", common.load_preset("arithmetic", "cpu"), "cmd")
-    for name in ("README.md", "accuracy_by_ops_d64.png", "accuracy_in_vs_k.png",
-                 "accuracy_out_vs_k.png"):
-        assert (tmp_path / "ar" / name).stat().st_size > 0
+
+def _line(page: str, *parts: str) -> str:
+    return next(x for x in page.splitlines() if all(p in x for p in parts))
+
+
+def test_induction_report_checks_the_floor_counts_copying_runs_and_computes_verdicts(tmp_path):
+    floor = 0.4
+    # d = 32: K = 1 copies in 2 of 5 seeds, K = 2 in all 5; d = 64: every run at the floor
+    acc = {(32, 1): [0.41, 0.95, 0.42, 0.97, 0.40], (32, 2): [0.96, 0.97, 0.95, 0.98, 0.99],
+           (64, 1): [0.40, 0.41, 0.40, 0.39, 0.41], (64, 2): [0.41, 0.40, 0.40, 0.41, 0.39]}
+    rows = [{"d_model": d, "K": k, "seed": s, "params": 1000 * d, "head1_depth": 3,
+             "steps": 300, "copy_acc": a, "floor": floor, "chance": 1 / 32,
+             "curve": json.dumps([[100, 0.3], [200, a if a > 0.9 else 0.4], [300, a]]),
+             "train_s": 1.0, **_PROV}
+            for (d, k), accs in acc.items() for s, a in enumerate(accs)]
+    _write_csv(tmp_path / "results.csv", induction.COLUMNS, rows)
+    page = induction.report(tmp_path, common.load_preset("induction", "cpu"), "cmd")
+    for name in ("induction_accuracy.png", "curves_d32.png", "curves_d64.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    assert "| 32 | 32000 | 3 | 1 |" in page and "| 2 of 5 | never, 200, never, 200, never |" \
+        in _line(page, "| 32 | 32000 | 3 | 1 |")
+    assert "| 5 of 5 | 200, 200, 200, 200, 200 |" in _line(page, "| 32 | 32000 | 3 | 2 |")
+    assert "**above the floor**" in _line(page, "d = 32, the K = 1 baseline")
+    assert "**not above the floor**" in _line(page, "d = 64, the K = 1 baseline")
+    assert "**reproduced**" in _line(page, "d = 32, K = 2 vs K = 1")
+    assert "**not testable at this scale" in _line(page, "d = 64, K = 2 vs K = 1")
+    assert "Made by git abc1234 (committed code)" in page
+    # --report-only rewrites the same page
+    assert induction.report(tmp_path, common.load_preset("induction", "cpu"), "cmd") == page
+
+
+def test_arithmetic_report_checks_the_floor_and_computes_verdicts(tmp_path):
+    acc = {1: [0.30, 0.32, 0.31, 0.29, 0.33], 2: [0.31, 0.30, 0.33, 0.32, 0.29],
+           4: [0.20, 0.21, 0.19, 0.22, 0.20]}
+    rows = [{"d_model": 64, "K": k, "seed": s, "params": 5000 + k, "head1_depth": 5,
+             "steps": 10, "acc_in": a, "acc_out": 0.1, "coef_acc_in": 0.7, "coef_acc_out": 0.3,
+             "acc_by_ops": json.dumps({1: a, 2: a, 3: 0.1}), "floor_in": 0.08,
+             "floor_out": 0.09, "curve": json.dumps([[5, 0.1], [10, a]]), "train_s": 1.0,
+             **_PROV} for k, accs in acc.items() for s, a in enumerate(accs)]
+    _write_csv(tmp_path / "results.csv", arithmetic.COLUMNS, rows)
+    page = arithmetic.report(tmp_path, common.load_preset("arithmetic", "cpu"), "cmd")
+    for name in ("accuracy_by_ops_d64.png", "curves_d64.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    assert "0.30, 0.32" not in page and "0.300, 0.320, 0.310, 0.290, 0.330" in page
+    assert "**above the floor**" in _line(page, "the K = 1 baseline in distribution")
+    assert "**not resolved by the criterion**" in _line(page, "K = 2 vs K = 1, in distribution")
+    assert "**contradicted**" in _line(page, "K = 4 vs K = 1, in distribution")
+    # out of distribution every group sits at 0.1, but the baseline learned in distribution
+    assert "**not resolved" in _line(page, "K = 4 vs K = 1, out of distribution")
+    # nobody learned: nothing is testable
+    for r in rows:
+        r["acc_in"] = 0.08
+    _write_csv(tmp_path / "results.csv", arithmetic.COLUMNS, rows)
+    page = arithmetic.report(tmp_path, common.load_preset("arithmetic", "cpu"), "cmd")
+    assert "**not above the floor**" in _line(page, "the K = 1 baseline in distribution")
+    assert "**not testable at this scale" in _line(page, "K = 2 vs K = 1, in distribution")
+
+
+def test_the_majority_floor_is_the_most_frequent_answer_on_the_scored_examples():
+    from collections import Counter
+
+    from experiments.synthetic import majority_accuracy, majority_answer
+
+    task = PolynomialTask(p=5, m=2, train_ops=(1, 2))
+    answer = majority_answer(task)
+    assert answer == (0, 0)  # products make zero the likeliest coefficient
+    exs = [task.example(_rng(10_000 + 2, 2, i), 2) for i in range(400)]
+    counted = Counter(tuple(e[s : s + 2]) for e, s in exs)[answer] / 400
+    assert majority_accuracy(task, 2, n_examples=400) == pytest.approx(counted)
+    assert counted > 2 / task.p ** task.m  # well above uniform guessing
+
+
+def test_learning_curves_are_probed_on_schedule_and_their_time_left_out():
+    from experiments.synthetic import train_model
+    from mtp.config import OptimConfig
+
+    task = InductionTask()
+    calls = []
+    cfg = ModelConfig(vocab_size=task.vocab_size, d_model=16, n_layers=1, n_heads=1,
+                      n_future=2, max_seq_len=24)
+    trained = train_model(task, cfg, OptimConfig(lr=1e-3, warmup_steps=1), seq_len=16,
+                          batch_size=2, steps=7, seed=0,
+                          probe=lambda m: calls.append(m.training) or len(calls),
+                          probe_every=3)
+    assert [s for s, _ in trained.curve] == [3, 6, 7] and calls == [False] * 3
+    assert trained.model.training is False and trained.seconds > 0
+
+
+def test_studies_train_runs_side_by_side_and_record_each(tmp_path):
+    preset = common.load_preset("induction", "cpu") | {
+        "sizes": [16], "ks": [1, 2], "seeds": [0], "steps": 4, "probe_every": 2,
+        "eval_seqs": 8, "probe_seqs": 4, "batch_size": 2, "seq_len": 16}
+    induction.run(preset, tmp_path, tmp_path / "work", jobs=2)
+    rows = common.ResultsCSV(tmp_path / "results.csv", induction.COLUMNS, induction.KEY).rows()
+    assert sorted((r["K"], r["head1_depth"]) for r in rows) == [("1", "3"), ("2", "3")]
+    assert all(json.loads(r["curve"])[-1][0] == 4 and r["git"] for r in rows)
 
 
 def test_every_preset_loads_and_names_its_fields():
