@@ -13,6 +13,7 @@ from experiments.common import (
     compare,
     criterion,
     errorbar_plot,
+    finding,
     group,
     markdown_table,
     mean_ci,
@@ -247,3 +248,89 @@ def verdicts(by: dict, ks: list[int], control, byte_level: bool = False) -> list
                                       "task." if solved == 0 else
                                       f"the best run solves {solved:.2f}; see the table."))
     return out
+
+
+def scan_report(out: Path, preset: dict, command: str, by_width: dict[int, list[dict]]) -> str:
+    """Write `<out>/README.md` and `<out>/loss_vs_params.png` of a size scan (a K sweep per
+    width, each with its own page under `<out>/d<width>/`)."""
+    widths = [w for w, rows in by_width.items() if rows]
+    if not widths:
+        raise InputError(f"no results under {out}/d<width>/results.csv (run the scan without "
+                         "--report-only first)")
+    groups = {w: group(by_width[w], ["K"]) for w in widths}
+    ks = sorted({int(k) for w in widths for (k,) in groups[w]})
+    multi = [k for k in ks if k > 1]
+    m = len(multi) * len(widths)
+    n = min(len(rs) for w in widths for rs in groups[w].values())
+
+    def rows_of(w: int, k: int) -> list[dict]:
+        return groups[w].get((str(k),), [])
+
+    series = {}
+    for k in ks:
+        xs = [w for w in widths if rows_of(w, k)]
+        stats = [summarize(column(rows_of(w, k), "next_token_loss")) for w in xs]
+        series[f"K = {k}"] = ([int(rows_of(w, k)[0]["params"]) for w in xs],
+                              [s["mean"] for s in stats], [s["std"] for s in stats])
+    errorbar_plot(out / "loss_vs_params.png", series, xlabel="parameters (matched across K)",
+                  ylabel="next-token validation loss (nats)", logx=True,
+                  title="Size scan: next-token loss by K")
+    table, lines_out, deltas = [], [criterion(m, n), ""], {k: [] for k in multi}
+    for w in widths:
+        for k in ks:
+            rs = rows_of(w, k)
+            if not rs:
+                continue
+            table.append([w, rs[0]["params"], rs[0]["head1_depth"], k, len(rs),
+                          pm(summarize(column(rs, "next_token_loss"))),
+                          per_seed(rs, "next_token_loss"),
+                          pm(summarize(column(rs, "spec_L")), 2)])
+            if k > 1 and rows_of(w, 1):
+                stat, verdict = compare(column(rs, "next_token_loss"),
+                                        column(rows_of(w, 1), "next_token_loss"), m)
+                deltas[k].append((w, summarize(column(rs, "next_token_loss"))["mean"]
+                                  - summarize(column(rows_of(w, 1), "next_token_loss"))["mean"]))
+                lines_out.append(f"- d = {w}, next-token loss of K = {k} vs K = 1: {stat}: "
+                                 f"**{verdict}**. Paper (small models lose next-token quality "
+                                 f"to multi-token prediction): **{finding(verdict, 'higher')}**"
+                                 ".")
+    for k, ds in deltas.items():
+        if len(ds) > 1:
+            shrinks = all(b < a for (_, a), (_, b) in zip(ds, ds[1:]))
+            lines_out.append(
+                f"- K = {k}, how the difference from K = 1 moves with width (a description, "
+                "not a test): " + ", ".join(f"{d:+.3f} at d = {w}" for w, d in ds)
+                + (": it shrinks at every step up in width." if shrinks else
+                   ": it does not shrink at every step up in width."))
+    fit = preset["fit"]
+    lines = [
+        "# Size scan: multi-token prediction across model widths",
+        "",
+        "Reproduce every number and plot on this page and the per-width pages (`--report-only` "
+        "rewrites them from their CSVs):",
+        "",
+        f"```\n{command}\n```",
+        "",
+        f"Preset `{preset['_path']}`: K in {{{', '.join(map(str, ks))}}} at widths "
+        f"{', '.join(map(str, widths))} (attention heads of {preset['head_dim']}), matched "
+        f"parameters, {fit['trainer']['max_steps']} steps each, data "
+        f"`{fit.get('data', {}).get('source', 'the base config')}`. Each width's sweep, with "
+        "its acceptance, speedups and depth table, is on its own page: "
+        + ", ".join(f"[d = {w}](d{w}/README.md)" for w in widths) + ". Cells: mean ± "
+        "sample std over seeds, then per-seed values.",
+        "",
+        markdown_table(["d_model", "params", "head-1 depth", "K", "seeds", "next-token loss",
+                        "per seed", "L"], table),
+        "",
+        "![next-token loss vs parameters](loss_vs_params.png)",
+        "",
+        "## Which findings of the paper reproduce here",
+        "",
+        *lines_out,
+        "",
+        provenance_line([r for w in widths for r in by_width[w]]),
+        "",
+    ]
+    text = "\n".join(lines)
+    (out / "README.md").write_text(text)
+    return text

@@ -9,6 +9,10 @@ parameters, the same data and the same seeds; then
 - self-speculative decoding (`mtp.decoding.generate`, decoder `self-spec`) against greedy on
   validation prompts: L (tokens per forward), wall-clock speedup, and whether outputs match.
 
+A preset with `widths` is a size scan: the sweep runs once per width (`--model.d_model`, with
+`n_heads = d_model / head_dim`) into `<out>/d<width>/`, and `<out>/README.md` compares the K
+across widths.
+
 Each finished run is appended to `<out>/results.csv`; a rerun skips finished runs and resumes an
 interrupted training from its `last.ckpt`. `<out>/README.md` and PNG plots (loss, L and speedup
 vs K) are regenerated from the CSV; TensorBoard hyperparameter summaries go to
@@ -80,6 +84,23 @@ def run_dir_name(head_type: str, k: int, seed: int, n_layers: int | None = None)
 
 
 # -- configuration -----------------------------------------------------------------------------
+
+
+def width_sweeps(preset: dict) -> list[tuple[int | None, dict]]:
+    """(width, preset) for each sweep of a preset: one per entry of its `widths` (a size scan),
+    else [(None, preset)]."""
+    widths = preset.get("widths")
+    if not widths:
+        return [(None, preset)]
+    head_dim = preset.get("head_dim")
+    bad = [w for w in widths if not isinstance(w, int) or not head_dim or w % head_dim]
+    if bad:
+        raise InputError(f"--preset {preset['_path']}: widths {bad} must be multiples of its "
+                         f"head_dim (got {head_dim!r})")
+    return [(w, _deep_merge(preset, {"fit": {"model": {"d_model": w,
+                                                        "n_heads": w // head_dim}}}))
+            for w in widths]
+
 
 
 def _deep_merge(base: dict, over: dict) -> dict:
@@ -419,14 +440,21 @@ def main(argv: list[str] | None = None) -> int:
     head_types = parse_head_types(args.head_types or preset.get("head_types") or ["block"])
     if args.jobs < 1:
         raise InputError(f"--jobs must be >= 1 (got {args.jobs})")
-    if not args.report_only:
-        run(preset, args.out, args.work, head_types, args.jobs)
-    if head_types == ["block"]:
-        print(k_report.report(args.out, preset, command_line(), results(args.out).rows(),
-                              base_layers(preset), args.note))
-    else:
-        print(head_report.report(args.out, preset, head_types, command_line(),
-                                 results(args.out).rows(), args.note))
+    sweeps = width_sweeps(preset)
+    for width, sweep in sweeps:
+        out, work = (args.out, args.work) if width is None else \
+            (args.out / f"d{width}", args.work / f"d{width}")
+        if not args.report_only:
+            run(sweep, out, work, head_types, args.jobs)
+        if head_types == ["block"]:
+            print(k_report.report(out, sweep, command_line(), results(out).rows(),
+                                  base_layers(sweep), args.note))
+        else:
+            print(head_report.report(out, sweep, head_types, command_line(),
+                                     results(out).rows(), args.note))
+    if sweeps[0][0] is not None:
+        print(k_report.scan_report(args.out, preset, command_line(),
+                                   {w: results(args.out / f"d{w}").rows() for w, _ in sweeps}))
     return 0
 
 

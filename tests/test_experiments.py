@@ -312,11 +312,12 @@ def test_every_preset_loads_and_names_its_fields():
             cfg = k_sweep.run_fit_config(preset, 2, 0, Path("/tmp/x"))
             assert cfg["model"]["matched_params"] and cfg["model"]["n_future"] == 2
             assert (REPO / preset["fit_config"]).is_file()
-            # every run's model is valid, depth-matched controls included
-            for h, k, _, n in k_sweep.plan(preset, preset.get("head_types", ["block"])):
-                cfg = k_sweep.run_fit_config(preset, k, 0, Path("/tmp/x"), h, n)
-                ModelConfig(**{key: v for key, v in cfg["model"].items()
-                               if key in ModelConfig.__dataclass_fields__})
+            # every run's model is valid, depth-matched controls and scanned widths included
+            for _, sweep in k_sweep.width_sweeps(preset):
+                for h, k, _, n in k_sweep.plan(sweep, sweep.get("head_types", ["block"])):
+                    cfg = k_sweep.run_fit_config(sweep, k, 0, Path("/tmp/x"), h, n)
+                    ModelConfig(**{key: v for key, v in cfg["model"].items()
+                                   if key in ModelConfig.__dataclass_fields__})
 
 
 # -- the K sweep, tiny, end to end -------------------------------------------------------------
@@ -382,6 +383,29 @@ def test_k_sweep_runs_reports_and_skips_finished_runs(tiny_corpus, tmp_path, mon
     monkeypatch.setattr(k_sweep, "train", no_training)
     assert k_sweep.main(argv) == 0
     assert len(list(csv.DictReader(open(out / "results.csv")))) == 3
+
+
+def test_a_size_scan_runs_a_sweep_per_width_and_compares_them(tiny_corpus, tmp_path,
+                                                              monkeypatch):
+    path = _tiny_preset(tiny_corpus, tmp_path, ks=[1, 2], widths=[16, 32], head_dim=8)
+    out, work = tmp_path / "out", tmp_path / "work"
+    monkeypatch.setattr(k_sweep, "single_thread", lambda: None)
+    argv = ["--preset", str(path), "--out", str(out), "--work", str(work)]
+    assert k_sweep.main(argv) == 0
+    for w, heads in ((16, 2), (32, 4)):
+        rows = list(csv.DictReader(open(out / f"d{w}" / "results.csv")))
+        assert [r["K"] for r in rows] == ["1", "2"]
+        fit = yaml.safe_load((work / f"d{w}" / "K2-s0" / "fit.yaml").read_text())
+        assert (fit["model"]["d_model"], fit["model"]["n_heads"]) == (w, heads)
+    page = (out / "README.md").read_text()
+    assert "[d = 16](d16/README.md)" in page and "d = 32, next-token loss of K = 2 vs K = 1" \
+        in page and "too few seeds" in page
+    first = {p: p.read_bytes() for p in sorted(out.rglob("*.md"))}
+    assert k_sweep.main([*argv, "--report-only"]) == 0
+    assert {p: p.read_bytes() for p in sorted(out.rglob("*.md"))} == first
+    bad = _tiny_preset(tiny_corpus, tmp_path, ks=[1], widths=[20], head_dim=8)
+    with pytest.raises(InputError, match=r"widths \[20\] must be multiples of its head_dim"):
+        k_sweep.main(["--preset", str(bad), "--out", str(out), "--work", str(work)])
 
 
 @pytest.mark.parametrize("text, why", [("- 1\n- 2\n", "must be a YAML mapping of settings (it "
