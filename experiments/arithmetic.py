@@ -248,13 +248,14 @@ def findings(by: dict, sizes: list[int], ks: list[int], floor: dict[str, float])
             out.append(f"- d = {d}: no K = 1 baseline, nothing to compare against.")
             continue
         learned = {}
-        for k in ks:
+        present = [k for k in ks if by.get((str(d), str(k)))]
+        for k in present:
             stat, learned[k] = above_floor(column(by[(str(d), str(k))], "acc_in"), floor["in"])
             what = "the K = 1 baseline" if k == 1 else f"K = {k}"
             out.append(f"- d = {d}, {what} in distribution: {stat}: **"
                        + ("above the floor" if learned[k] else "not above the floor") + "**.")
-        for k in multi:
-            rs = by.get((str(d), str(k)), [])
+        for k in (k for k in present if k > 1):
+            rs = by[(str(d), str(k))]
             for split, where in (("in", "in distribution"), ("out", "out of distribution")):
                 stat, verdict = compare(column(rs, f"acc_{split}"), column(base, f"acc_{split}"),
                                         m)

@@ -242,7 +242,8 @@ def findings(by: dict, sizes: list[int], ks: list[int], floor: float) -> list[st
             out.append(f"- d = {d}: no K = 1 baseline, nothing to compare against.")
             continue
         learned = {}
-        for k in ks:
+        present = [k for k in ks if by.get((str(d), str(k)))]
+        for k in present:
             rs = by[(str(d), str(k))]
             stat, learned[k] = above_floor(column(rs, "copy_acc"), floor)
             what = "the K = 1 baseline" if k == 1 else f"K = {k}"
@@ -250,7 +251,7 @@ def findings(by: dict, sizes: list[int], ks: list[int], floor: float) -> list[st
                        + ("above the floor" if learned[k] else "not above the floor") + "**; "
                        f"{sum(copying(a, floor) for a in column(rs, 'copy_acc'))} of {len(rs)} "
                        "runs copy.")
-        for k in multi:
+        for k in (k for k in present if k > 1):
             stat, verdict = compare(column(by[(str(d), str(k))], "copy_acc"),
                                     column(base, "copy_acc"), m)
             status = finding(verdict, "higher") if learned[1] or learned[k] else \

@@ -387,8 +387,3 @@ def majority_accuracy(task: PolynomialTask, n_ops: int, *, n_examples: int,
     return sum(tuple(ex[start : start + task.m]) == answer
                for ex, start in (task.example(_rng(seed + n_ops, TEST, i), n_ops)
                                  for i in range(n_examples))) / n_examples
-
-
-def param_count(model_cfg: ModelConfig) -> int:
-    """Parameters of a model config (all of them, embeddings included)."""
-    return MTPTransformer(model_cfg).num_params()
