@@ -292,14 +292,22 @@ def test_learning_curves_are_probed_on_schedule_and_their_time_left_out():
     assert trained.model.training is False and trained.seconds > 0
 
 
-def test_studies_train_runs_side_by_side_and_record_each(tmp_path):
+def test_studies_record_each_run_with_its_curve_depth_and_provenance(tmp_path):
     preset = common.load_preset("induction", "cpu") | {
         "sizes": [16], "ks": [1, 2], "seeds": [0], "steps": 4, "probe_every": 2,
         "eval_seqs": 8, "probe_seqs": 4, "batch_size": 2, "seq_len": 16}
-    induction.run(preset, tmp_path, tmp_path / "work", jobs=2)
+    induction.run(preset, tmp_path, tmp_path / "work")
     rows = common.ResultsCSV(tmp_path / "results.csv", induction.COLUMNS, induction.KEY).rows()
     assert sorted((r["K"], r["head1_depth"]) for r in rows) == [("1", "3"), ("2", "3")]
     assert all(json.loads(r["curve"])[-1][0] == 4 and r["git"] for r in rows)
+
+
+def test_map_runs_gives_every_result_with_workers_or_without():
+    import operator
+
+    calls = [(i, 10 * i) for i in range(4)]
+    assert sorted(common.map_runs(operator.add, calls, jobs=2)) == [0, 11, 22, 33]
+    assert list(common.map_runs(operator.add, calls)) == [0, 11, 22, 33]
 
 
 def test_every_preset_loads_and_names_its_fields():
@@ -425,7 +433,7 @@ def test_a_malformed_preset_is_named(tmp_path, capsys, text, why):
 def test_an_unknown_preset_names_the_known_ones(capsys):
     assert common.study_main(lambda: k_sweep.main(["--preset", "nonsense"])) == 2
     assert ("--preset nonsense: no such preset for k_sweep (known: bytes_cpu, cpu, gpu, "
-            "heads_cpu)") in capsys.readouterr().err
+            "heads_cpu, scan_gpu)") in capsys.readouterr().err
 
 
 def test_environment_names_uncommitted_code_but_not_the_studys_own_outputs(tmp_path,
