@@ -304,7 +304,8 @@ def provenance_line(rows: list[dict]) -> str:
     """The report's provenance, from the rows alone (so `--report-only` rewrites the same)."""
     revs = sorted({r.get("git", "") for r in rows})
     if revs == [""]:
-        return f"Environment: {environment()} (this report's; its runs recorded none)"
+        return ("Provenance: the runs of this CSV recorded no git revision, environment or "
+                "time (their rows predate those columns); see the git history of the CSV.")
     envs = sorted({r.get("environment", "") for r in rows})
     times = sorted(r.get("utc", "") for r in rows)
     dirty = any(v.endswith("+dirty") for v in revs)
@@ -412,27 +413,6 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> s
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
     return "\n".join(lines)
-
-
-def environment(outputs: Path | None = None) -> str:
-    """Machine, versions and git revision, for a report's provenance line. Study outputs (the
-    directory `outputs`, and every report under experiments/reports, which studies running side
-    by side write) do not count as uncommitted changes: what must be committed is the code
-    that made them."""
-    import torch
-
-    from mtp.environment import git_state, versions
-
-    exclude = ["experiments/reports"]
-    if outputs is not None and Path(outputs).resolve().is_relative_to(REPO):
-        exclude.append(str(Path(outputs).resolve().relative_to(REPO)))
-    rev, dirty = git_state(REPO, exclude=exclude, untracked=True)
-    found = versions("torch")
-    return (f"python {found['python']}, torch {found.get('torch', torch.__version__)}, "
-            f"{platform.machine()} {platform.processor() or ''} "
-            f"(torch threads: {torch.get_num_threads()}), git {rev}"
-            f"{' (uncommitted changes)' if dirty else ''}, "
-            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
 
 
 def command_line() -> str:

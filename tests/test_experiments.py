@@ -436,27 +436,28 @@ def test_an_unknown_preset_names_the_known_ones(capsys):
             "heads_cpu, scan_gpu)") in capsys.readouterr().err
 
 
-def test_environment_names_uncommitted_code_but_not_the_studys_own_outputs(tmp_path,
-                                                                        monkeypatch):
-    """The provenance line says "uncommitted changes" for a changed source file, not for the
-    study's output directory, which every run writes."""
+def test_provenance_marks_uncommitted_code_but_not_the_studies_own_outputs(tmp_path,
+                                                                         monkeypatch):
+    """A run's row says `+dirty` for a changed source file, not for the reports under
+    experiments/reports, which every run writes."""
     import subprocess
 
     repo = tmp_path / "repo"
-    (repo / "out").mkdir(parents=True)
+    repo.mkdir()
     (repo / "code.py").write_text("x = 1\n")
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
     subprocess.run([*git, "init", "-q"], cwd=repo, check=True)
     subprocess.run([*git, "add", "."], cwd=repo, check=True)
     subprocess.run([*git, "commit", "-qm", "c"], cwd=repo, check=True)
     monkeypatch.setattr(common, "REPO", repo)
-    (repo / "out" / "results.csv").write_text("a\n")
-    (repo / "experiments" / "reports" / "other").mkdir(parents=True)  # a study beside it
+    (repo / "experiments" / "reports" / "other").mkdir(parents=True)  # a study's outputs
     (repo / "experiments" / "reports" / "other" / "results.csv").write_text("b\n")
-    assert "uncommitted" not in common.environment(repo / "out")
-    assert "uncommitted" in common.environment()
+    clean = common.provenance()["git"]
+    assert clean and not clean.endswith("+dirty")
     (repo / "code.py").write_text("x = 2\n")
-    assert "uncommitted" in common.environment(repo / "out")
+    assert common.provenance()["git"] == clean + "+dirty"
+    line = common.provenance_line([{"git": clean + "+dirty", "environment": "e", "utc": "t"}])
+    assert "(uncommitted changes!)" in line
 
 
 def test_k_sweep_compares_head_types(tiny_corpus, tmp_path, monkeypatch):
