@@ -106,7 +106,12 @@ def run(preset: dict, out: Path, work: Path, jobs: int = 1) -> None:
 
 def one_run(preset: dict, d: int, k: int, seed: int) -> dict:
     """Train one model, with its learning curve, and score it: its CSV row."""
-    from experiments.synthetic import arithmetic_accuracy, majority_accuracy, train_model
+    from experiments.synthetic import (
+        arithmetic_accuracy,
+        majority_accuracy,
+        majority_answer,
+        train_model,
+    )
     from mtp.config import OptimConfig
 
     task = _task(preset)
@@ -126,7 +131,8 @@ def one_run(preset: dict, d: int, k: int, seed: int) -> dict:
                           probe_every=preset["probe_every"])
     by_ops = {n: arithmetic_accuracy(trained.model, task, n, n_examples=preset["eval_examples"])
               for n in preset["eval_ops"]}
-    floor = {n: majority_accuracy(task, n, n_examples=preset["eval_examples"])
+    answer = majority_answer(task)
+    floor = {n: majority_accuracy(task, n, n_examples=preset["eval_examples"], answer=answer)
              for n in preset["eval_ops"]}
     return {"d_model": d, "K": k, "seed": seed, "params": trained.model.num_params(),
             "head1_depth": head1_depth(trained.model), "steps": preset["steps"],

@@ -379,11 +379,11 @@ def majority_answer(task: PolynomialTask, *, n_examples: int = 20_000,
 
 
 def majority_accuracy(task: PolynomialTask, n_ops: int, *, n_examples: int,
-                      seed: int = 10_000) -> float:
-    """Exact-match accuracy of always giving `majority_answer`, on the very examples that
-    `arithmetic_accuracy` scores: the floor of a model that ignores the question (products
-    make some answers, (0, 0) above all, far likelier than 1 / p^m)."""
-    answer = majority_answer(task)
+                      seed: int = 10_000, answer: tuple[int, ...] | None = None) -> float:
+    """Exact-match accuracy of always giving `answer` (default: `majority_answer`), on the
+    very examples that `arithmetic_accuracy` scores: the floor of a model that ignores the
+    question (products make some answers, (0, 0) above all, far likelier than 1 / p^m)."""
+    answer = answer or majority_answer(task)
     return sum(tuple(ex[start : start + task.m]) == answer
                for ex, start in (task.example(_rng(seed + n_ops, TEST, i), n_ops)
                                  for i in range(n_examples))) / n_examples
