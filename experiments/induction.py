@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -251,6 +252,15 @@ def findings(by: dict, sizes: list[int], ks: list[int], floor: float) -> list[st
                        + ("above the floor" if learned[k] else "not above the floor") + "**; "
                        f"{sum(copying(a, floor) for a in column(rs, 'copy_acc'))} of {len(rs)} "
                        "runs copy.")
+        emerged = []
+        for k in present:
+            steps = [emergence_step(json.loads(r["curve"]), floor) for r in by[(str(d), str(k))]]
+            copied = [x for x in steps if x is not None]
+            emerged.append(f"K = {k}: " + (f"median step {statistics.median(copied):g} over the "
+                                           f"{len(copied)} of {len(steps)} runs that copied"
+                                           if copied else f"none of {len(steps)} runs copied"))
+        out.append(f"- d = {d}, when copying emerged on the probe set (a description, not a "
+                   "test): " + "; ".join(emerged) + ".")
         for k in (k for k in present if k > 1):
             stat, verdict = compare(column(by[(str(d), str(k))], "copy_acc"),
                                     column(base, "copy_acc"), m)

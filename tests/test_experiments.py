@@ -228,6 +228,9 @@ def test_induction_report_checks_the_floor_counts_copying_runs_and_computes_verd
     assert "| 5 of 5 | 200, 200, 200, 200, 200 |" in _line(page, "| 32 | 32000 | 3 | 2 |")
     assert "**above the floor**" in _line(page, "d = 32, the K = 1 baseline")
     assert "**not above the floor**" in _line(page, "d = 64, the K = 1 baseline")
+    assert "K = 1: median step 200 over the 2 of 5 runs that copied; K = 2: median step 200 " \
+        "over the 5 of 5" in _line(page, "d = 32, when copying emerged")
+    assert "K = 1: none of 5 runs copied" in _line(page, "d = 64, when copying emerged")
     assert "**reproduced**" in _line(page, "d = 32, K = 2 vs K = 1")
     assert "**not testable at this scale" in _line(page, "d = 64, K = 2 vs K = 1")
     assert "Made by git abc1234 (committed code)" in page
