@@ -220,8 +220,11 @@ def compare(a: Sequence[float], b: Sequence[float], m: int = 1,
             digits: int = 3) -> tuple[str, str]:
     """mean(a) - mean(b) with its bootstrap interval at confidence 1 - ALPHA / m (Bonferroni
     over m comparisons) and the exact permutation p, and a verdict: `higher` / `lower` when the
-    interval excludes 0, `not distinguishable` when it does not, and `too few seeds` when a
-    group has fewer than MIN_SEEDS values."""
+    interval excludes 0 and the permutation test agrees (p <= ALPHA), `not distinguishable`
+    otherwise, and `too few seeds` when a group has fewer than MIN_SEEDS values. Both tests must
+    agree because each fails somewhere the other holds: with five values a percentile bootstrap
+    of a group at a ceiling (every value 1.0) has no spread and excludes 0 for any difference,
+    while the permutation p has a floor of 2 / C(2n, n) whatever the difference."""
     a, b = [v for v in a if not math.isnan(v)], [v for v in b if not math.isnan(v)]
     diff = summarize(a)["mean"] - summarize(b)["mean"]
     level = 1 - ALPHA / m
@@ -229,7 +232,7 @@ def compare(a: Sequence[float], b: Sequence[float], m: int = 1,
     p = permutation_p(a, b)
     if min(len(a), len(b)) < MIN_SEEDS:
         verdict = f"too few seeds for a verdict (fewer than {MIN_SEEDS})"
-    elif lo > 0 or hi < 0:
+    elif (lo > 0 or hi < 0) and p <= ALPHA:
         verdict = "higher" if diff > 0 else "lower"
     else:
         verdict = "not distinguishable"
@@ -251,11 +254,12 @@ def criterion(m: int, n: int) -> str:
     floor = 2 / comb(2 * n, n) if n else float("nan")
     return (f"Criterion of every verdict: the percentile bootstrap interval of the difference "
             f"of means at confidence 1 − {ALPHA} / {m} = {100 * (1 - ALPHA / m):.2f}% "
-            f"(Bonferroni over the report's {m} comparisons) excludes 0; groups of fewer than "
-            f"{MIN_SEEDS} seeds get no verdict. The exact permutation p is printed beside it as "
-            f"a check that assumes nothing about the distribution; with {n} seeds per group it "
-            f"cannot fall below 2 / C({2 * n}, {n}) = {floor:.3f}. Per-seed values are in the "
-            "tables.")
+            f"(Bonferroni over the report's {m} comparisons) excludes 0, and the exact "
+            f"permutation test, which assumes nothing about the distribution, agrees at p ≤ "
+            f"{ALPHA} (with {n} seeds per group its p cannot fall below 2 / C({2 * n}, {n}) = "
+            f"{floor:.3f}; a bootstrap of a group with no spread, such as one at a ceiling, "
+            f"excludes 0 for any difference). Groups of fewer than {MIN_SEEDS} seeds get no "
+            "verdict. Per-seed values are in the tables.")
 
 
 def above_floor(values: Sequence[float], floor: float, digits: int = 3) -> tuple[str, bool]:

@@ -211,8 +211,8 @@ def _line(page: str, *parts: str) -> str:
 
 def test_induction_report_checks_the_floor_counts_copying_runs_and_computes_verdicts(tmp_path):
     floor = 0.4
-    # d = 32: K = 1 copies in 2 of 5 seeds, K = 2 in all 5; d = 64: every run at the floor
-    acc = {(32, 1): [0.41, 0.95, 0.42, 0.97, 0.40], (32, 2): [0.96, 0.97, 0.95, 0.98, 0.99],
+    # d = 32: K = 1 copies in 1 of 5 seeds, K = 2 in all 5; d = 64: every run at the floor
+    acc = {(32, 1): [0.41, 0.93, 0.42, 0.40, 0.40], (32, 2): [0.96, 0.97, 0.95, 0.98, 0.99],
            (64, 1): [0.40, 0.41, 0.40, 0.39, 0.41], (64, 2): [0.41, 0.40, 0.40, 0.41, 0.39]}
     rows = [{"d_model": d, "K": k, "seed": s, "params": 1000 * d, "head1_depth": 3,
              "steps": 300, "copy_acc": a, "floor": floor, "chance": 1 / 32,
@@ -223,12 +223,12 @@ def test_induction_report_checks_the_floor_counts_copying_runs_and_computes_verd
     page = induction.report(tmp_path, common.load_preset("induction", "cpu"), "cmd")
     for name in ("induction_accuracy.png", "curves_d32.png", "curves_d64.png"):
         assert (tmp_path / name).stat().st_size > 0
-    assert "| 32 | 32000 | 3 | 1 |" in page and "| 2 of 5 | never, 200, never, 200, never |" \
+    assert "| 32 | 32000 | 3 | 1 |" in page and "| 1 of 5 | never, 200, never, never, never |" \
         in _line(page, "| 32 | 32000 | 3 | 1 |")
     assert "| 5 of 5 | 200, 200, 200, 200, 200 |" in _line(page, "| 32 | 32000 | 3 | 2 |")
     assert "**above the floor**" in _line(page, "d = 32, the K = 1 baseline")
     assert "**not above the floor**" in _line(page, "d = 64, the K = 1 baseline")
-    assert "K = 1: median step 200 over the 2 of 5 runs that copied; K = 2: median step 200 " \
+    assert "K = 1: median step 200 over the 1 of 5 runs that copied; K = 2: median step 200 " \
         "over the 5 of 5" in _line(page, "d = 32, when copying emerged")
     assert "K = 1: none of 5 runs copied" in _line(page, "d = 64, when copying emerged")
     assert "**reproduced**" in _line(page, "d = 32, K = 2 vs K = 1")
@@ -507,6 +507,19 @@ def test_permutation_and_bootstrap_statistics():
     assert common.permutation_p([1, 2, 3], [1, 2, 3]) == 1.0
     lo, hi = common.bootstrap_ci([10, 11, 12], [1, 2, 3])
     assert 7 <= lo < 9 < hi <= 11
+
+
+def test_a_verdict_needs_the_bootstrap_and_the_permutation_test_to_agree():
+    clear = [0.5, 0.52, 0.51, 0.49, 0.53]
+    assert common.compare([x + 0.2 for x in clear], clear)[1] == "higher"
+    assert common.compare(clear, [x + 0.2 for x in clear], m=3)[1] == "lower"
+    # at a ceiling: one group has no spread, so every bootstrap difference is negative, but
+    # the five values of each group mix (p = 0.087): no verdict
+    ceiling, near = [1.0] * 5, [0.9996, 1.0, 0.9992, 1.0, 0.9998]
+    lo, hi = common.bootstrap_ci(near, ceiling, level=1 - 0.05 / 3)
+    assert hi <= 0 and common.permutation_p(near, ceiling) > 0.05
+    assert common.compare(near, ceiling, m=3)[1] == "not distinguishable"
+    assert common.compare(clear[:3], clear[:3])[1].startswith("too few seeds")
 
 
 @pytest.mark.parametrize("form", ["module", "script"])
