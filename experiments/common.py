@@ -263,16 +263,21 @@ def criterion(m: int, n: int) -> str:
 
 
 def above_floor(values: Sequence[float], floor: float, digits: int = 3) -> tuple[str, bool]:
-    """Whether a baseline learned: the mean of `values` with its 95% bootstrap interval, and
-    whether the interval lies above `floor` (what a model that learned nothing scores)."""
+    """Whether a group learned: the mean of `values` with its 95% bootstrap interval against
+    `floor` (what a model that learned nothing scores), and whether the interval lies above it."""
     mean, lo, hi = mean_ci([v for v in values if not math.isnan(v)])
+    learned = lo > floor
     return (f"{mean:.{digits}f}, 95% bootstrap interval [{lo:.{digits}f}, {hi:.{digits}f}] "
-            f"against a floor of {floor:.{digits}f} (n = {len(values)})"), lo > floor
+            f"against a floor of {floor:.{digits}f} (n = {len(values)}): **"
+            + ("above the floor" if learned else "not above the floor") + "**"), learned
 
 
-def finding(verdict: str, predicted: str) -> str:
+def finding(verdict: str, predicted: str, testable: bool = True) -> str:
     """A paper finding's status from a `compare` verdict, `predicted` being the direction the
-    paper reports (`higher` or `lower`)."""
+    paper reports (`higher` or `lower`); not `testable` where neither group rose above its
+    floor (the task is not learned at this scale and training budget)."""
+    if not testable:
+        return "not testable at this scale (neither group rose above the floor)"
     if verdict == predicted:
         return "reproduced"
     if verdict in ("higher", "lower"):
