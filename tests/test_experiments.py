@@ -569,3 +569,26 @@ def test_byte_level_report_gives_bits_per_byte_and_a_computed_verdict(tmp_path):
     line = next(x for x in page.splitlines() if "byte-level models gain the most" in x)
     assert f"**{verdict}" in line
     assert "Made by git abc1234 (committed code)" in page
+
+
+def test_byte_level_verdict_is_the_objective_against_the_depth_matched_control(tmp_path):
+    """K = 8 loses to the full K = 1 model (its head 1 is shallower) but beats the K = 1 model
+    of its own head-1 depth: the objective helps, and the verdict says so."""
+    out = tmp_path / "out"
+    _synthetic_rows(out, {1: [2.0 + 0.01 * s for s in range(5)],
+                          8: [2.5 + 0.01 * s for s in range(5)]})
+    table = k_sweep.results(out)
+    for seed in range(5):  # K = 1 controls of K = 8's head-1 depth (10 - 8 blocks)
+        loss = 3.0 + 0.01 * seed
+        table.append({"head_type": "block", "K": 1, "n_layers": 1, "seed": seed,
+                      "params": 500, "steps": 10, "head1_depth": 2, "next_token_loss": loss,
+                      "val_loss_mean": loss, "loss_head1": loss, "spec_L": 1.0,
+                      "spec_identical": 1, "spec_speedup": 1.0, "fit_s": 1, "eval_s": 1,
+                      "git": "abc1234", "environment": "here", "utc": "2026-12-02 00:00"})
+    preset = common.load_preset("k_sweep", "bytes_cpu")
+    page = k_report.report(out, preset, "python experiments/k_sweep.py --preset bytes_cpu",
+                           k_sweep.results(out).rows(), k_sweep.base_layers(preset))
+    lines = page.splitlines()
+    assert "**higher**" in next(x for x in lines if "K = 8 vs K = 1 at equal parameters" in x)
+    line = next(x for x in lines if "byte-level models gain the most" in x)
+    assert "K = 8: **reproduced** (against its depth-matched control)" in line
