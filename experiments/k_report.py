@@ -204,7 +204,8 @@ def verdicts(by: dict, ks: list[int], control, byte_level: bool = False) -> list
             out.append("- Gloeckle et al.: byte-level models gain the most from multi-token "
                        "prediction (at 7B parameters, K = 8 bytes beat K = 1 by a wide margin); "
                        "here, lower bits per byte than the K = 1 model whose next-token path "
-                       "is as deep, so that the objective alone differs: " + "; ".join(status)
+                       "is as deep where that control ran (the objective alone differs): "
+                       + "; ".join(status)
                        + " (the comparisons in nats above; bits are nats / ln 2). The paper "
                        "also finds that below about a billion parameters multi-token "
                        "prediction costs next-token quality, which predicts the opposite at "
