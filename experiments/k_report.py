@@ -176,16 +176,19 @@ def verdicts(by: dict, ks: list[int], control, byte_level: bool = False) -> list
     out = [criterion(m, n), ""]
     if 1 in ks:
         base = column(by[1], "next_token_loss")
-        objective = []
+        # K -> (its next-token verdict against the depth-matched control where one ran, else
+        # against K = 1 at equal parameters; whether it was the control)
+        against = {}
         for k in multi:
             stat, verdict = compare(column(by[k], "next_token_loss"), base, m)
+            against[k] = (verdict, False)
             out.append(f"- Next-token loss, K = {k} vs K = 1 at equal parameters: {stat}: "
                        f"**{verdict}**.")
             c = control(k)
             if c:
                 ctl = column(c, "next_token_loss")
                 stat, verdict = compare(column(by[k], "next_token_loss"), ctl, m)
-                objective.append((k, verdict))
+                against[k] = (verdict, True)
                 out.append(f"  - against the K = 1 control of head 1's depth "
                            f"({by[k][0]['head1_depth']} blocks), the objective itself: {stat}: "
                            f"**{verdict}**.")
@@ -193,14 +196,10 @@ def verdicts(by: dict, ks: list[int], control, byte_level: bool = False) -> list
                 out.append(f"  - the control against the full K = 1 model, the lost depth: "
                            f"{stat}: **{verdict}**.")
         if byte_level:
-            status = []
-            for k in multi:
-                c = control(k)
-                ref = column(c, "next_token_loss") if c else base
-                verdict = compare(column(by[k], "next_token_loss"), ref, m)[1]
-                status.append(f"K = {k}: **{finding(verdict, 'lower')}** (against "
-                              + ("its depth-matched control)" if c else
-                                 "K = 1 at equal parameters; no depth-matched control ran)"))
+            status = [f"K = {k}: **{finding(verdict, 'lower')}** (against "
+                      + ("its depth-matched control)" if controlled else
+                         "K = 1 at equal parameters; no depth-matched control ran)")
+                      for k, (verdict, controlled) in against.items()]
             out.append("- Gloeckle et al.: byte-level models gain the most from multi-token "
                        "prediction (at 7B parameters, K = 8 bytes beat K = 1 by a wide margin); "
                        "here, lower bits per byte than the K = 1 model whose next-token path "
@@ -210,6 +209,7 @@ def verdicts(by: dict, ks: list[int], control, byte_level: bool = False) -> list
                        "also finds that below about a billion parameters multi-token "
                        "prediction costs next-token quality, which predicts the opposite at "
                        "this size.")
+        objective = [(k, verdict) for k, (verdict, controlled) in against.items() if controlled]
         if objective:
             hurt = [k for k, v in objective if v == "higher"]
             helped = [k for k, v in objective if v == "lower"]
