@@ -331,3 +331,20 @@ def test_a_completion_cannot_look_its_answer_up_in_the_benchmark_data(tmp_path):
         assert not result["passed"] and "FileNotFoundError" in result["error"], result
     else:  # nothing can be hidden, and the summary claims nothing is
         assert hidden == [] and (result["passed"] or data.startswith("/tmp/"))
+
+
+def test_sandbox_cpu_time_resolves_below_a_clock_tick():
+    """The CPU seconds a sandboxed process reports follow the kernel's own per-process clock to a
+    millisecond; a 10 ms clock-tick count (os.times) reads a 3 ms burst as 0 or 10 ms."""
+    import time
+
+    from mtp.eval.inside import _cpu_seconds
+
+    errors = []
+    for _ in range(5):
+        a, pa = _cpu_seconds(), time.process_time()
+        while time.process_time() - pa < 0.003:
+            pass
+        b, pb = _cpu_seconds(), time.process_time()
+        errors.append(abs((b - a) - (pb - pa)))
+    assert min(errors) < 0.001, errors
