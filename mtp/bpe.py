@@ -59,10 +59,15 @@ def tokenizer_sample(specs: list[SourceSpec], max_bytes: int) -> Iterator[str]:
 
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
-    """A `tokenizer.json`, with a message naming the file when it is missing or malformed."""
+    """A `tokenizer.json`, or the tokenizer a GGUF file holds, with a message naming the file
+    when it is missing or malformed."""
     path = Path(path)
     if not path.is_file():
         raise MissingInput(f"--data.tokenizer {path} does not exist")
+    if path.suffix.lower() == ".gguf":
+        from mtp import gguf
+
+        return gguf.read_tokenizer(path)
     try:
         return Tokenizer.from_file(str(path))
     except Exception as err:  # tokenizers raises a bare Exception on bad JSON

@@ -107,10 +107,10 @@ class ModelConfig:
     """The tokenizer's end-of-text token: it separates documents in the token stream and ends
     generation. With `init_from`, the pretrained tokenizer's ``eos_token`` unless set."""
     init_from: str | None = None
-    """A local transformers checkpoint of the Llama family (Llama, Mistral, Qwen2) to start
-    from: its shape replaces the other `--model.*` shape flags, its layers become the trunk and
-    head 1, heads 2..K start as copies of its last layer, and its `tokenizer.json` becomes the
-    default `--data.tokenizer` (`mtp.hf.pretrained_config`)."""
+    """A local transformers checkpoint of the Llama family (Llama, Mistral, Qwen2), or a Llama
+    `.gguf` file, to start from: its shape replaces the other `--model.*` shape flags, its layers
+    become the trunk and head 1, heads 2..K start as copies of its last layer, and its tokenizer
+    becomes the default `--data.tokenizer` (`mtp.hf.pretrained_config`)."""
 
     def __post_init__(self) -> None:
         p = []

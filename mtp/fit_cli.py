@@ -109,15 +109,15 @@ class MTPCLI(LightningCLI):
         c = self.config_init[self.subcommand] if self.subcommand else self.config_init
         model, data = c.model, c.data
         if model.init_from is not None:  # the pretrained model's shape and tokenizer
-            from mtp.hf import ExportError, pretrained_config
+            from mtp.hf import ExportError, pretrained_config, pretrained_tokenizer
 
             try:
                 model = pretrained_config(model.init_from, model)
             except ExportError as e:
                 raise ConfigError(str(e)) from None
             if data.tokenizer is None:
-                data = dataclasses.replace(data, tokenizer=str(Path(model.init_from)
-                                                               / "tokenizer.json"))
+                data = dataclasses.replace(data, tokenizer=str(pretrained_tokenizer(
+                    model.init_from)))
             _check_pretrained_tokenizer(Path(data.tokenizer), model)
         run = RunConfig(model=model, data=data, optim=c.optim, loss=c.loss,
                         compile=c.compile)  # cross-checks
@@ -166,12 +166,12 @@ def _check_resume_checkpoint(path: Path, model: ModelConfig) -> None:
 def _check_pretrained_tokenizer(path: Path, model: ModelConfig) -> None:
     """Before any data is read: the tokenizer of an `--model.init_from` run must exist, hold the
     end-of-text token and fit the pretrained embedding."""
-    from tokenizers import Tokenizer
+    from mtp.bpe import load_tokenizer
 
     if not path.is_file():
         raise ConfigError(f"--data.tokenizer {path} does not exist (--model.init_from "
                           f"{model.init_from} has no tokenizer.json; pass --data.tokenizer)")
-    tok = Tokenizer.from_file(str(path))
+    tok = load_tokenizer(path)
     if tok.token_to_id(model.eot_token) is None:
         raise ConfigError(f"--data.tokenizer {path} has no end-of-text token "
                           f"{model.eot_token!r} (--model.eot_token), which separates documents")

@@ -265,8 +265,8 @@ SUPPORTED = ("llama", "mistral", "qwen2")
 
 def pretrained_config(path: str | os.PathLike, cfg: ModelConfig) -> ModelConfig:
     """The model config of `--model.init_from PATH`: the shape of the transformers checkpoint
-    at `path` (its ``n - 1`` first layers as the trunk, its last as head 1), with `cfg`'s K,
-    context length and initialisation scale.
+    directory or GGUF file at `path` (its ``n - 1`` first layers as the trunk, its last as head
+    1), with `cfg`'s K, context length and initialisation scale.
 
     Raises:
         ExportError: If `path` is not a local checkpoint of a supported family, or uses what
@@ -275,11 +275,7 @@ def pretrained_config(path: str | os.PathLike, cfg: ModelConfig) -> ModelConfig:
             other than width / heads); the message names it.
     """
     path = Path(path)
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise ExportError(f"--model.init_from {path}: no config.json (a local transformers "
-                          f"checkpoint directory, as save_pretrained writes it, is needed)")
-    hf = json.loads(config_file.read_text())
+    hf = _pretrained_hf_config(path)
     kind = hf.get("model_type")
     if kind not in SUPPORTED:
         raise ExportError(f"--model.init_from {path}: model_type {kind!r} is not a supported "
@@ -325,11 +321,41 @@ def pretrained_config(path: str | os.PathLike, cfg: ModelConfig) -> ModelConfig:
         eot_token=eot, init_from=str(path))
 
 
+def _pretrained_hf_config(path: Path) -> dict:
+    """The transformers ``config.json`` of a checkpoint directory, or of a GGUF file's model."""
+    from mtp import gguf
+
+    if gguf.is_gguf(path):
+        try:
+            return gguf.read_config(path)
+        except gguf.GGUFError as err:
+            raise ExportError(f"--model.init_from {err}") from None
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ExportError(f"--model.init_from {path}: no config.json (a local transformers "
+                          f"checkpoint directory, as save_pretrained writes it, or a .gguf "
+                          f"file is needed)")
+    return json.loads(config_file.read_text())
+
+
+def pretrained_tokenizer(path: str | os.PathLike) -> Path:
+    """The tokenizer file of `--model.init_from PATH`: a GGUF file holds its own, a transformers
+    directory its ``tokenizer.json``."""
+    from mtp import gguf
+
+    return Path(path) if gguf.is_gguf(path) else Path(path) / "tokenizer.json"
+
+
 def pretrained_eos(path: str | os.PathLike) -> str | None:
     """The end-of-sequence token of a transformers checkpoint directory: ``tokenizer_config.json``'s
     ``eos_token``, else the token of the first ``eos_token_id`` of ``generation_config.json`` or
-    ``config.json`` (Llama 3 instruct lists several; the first ends a document), else None."""
+    ``config.json`` (Llama 3 instruct lists several; the first ends a document), else None.
+    A GGUF file's is its ``tokenizer.ggml.eos_token_id``."""
+    from mtp import gguf
+
     path = Path(path)
+    if gguf.is_gguf(path):
+        return gguf.read_eos(path)
 
     def read(name: str) -> dict:
         try:
@@ -355,6 +381,10 @@ def pretrained_eos(path: str | os.PathLike) -> str | None:
 def _pretrained_weights(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
+    from mtp import gguf
+
+    if gguf.is_gguf(path):
+        return gguf.read_weights(path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
