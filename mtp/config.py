@@ -106,6 +106,14 @@ class ModelConfig:
     eot_token: str = "<|endoftext|>"
     """The tokenizer's end-of-text token: it separates documents in the token stream and ends
     generation. With `init_from`, the pretrained tokenizer's ``eos_token`` unless set."""
+    draft_vocab: int = 0
+    """Heads 2..K predict over this many tokens only, the most frequent of the training data (set
+    before the first step; EAGLE-3's draft vocabulary): drafting and their loss then cost
+    draft_vocab / V of the unembedding, and head 1 verifies over the whole vocabulary, so greedy
+    output is unchanged. 0: every head over the whole vocabulary."""
+    chat_template: str | None = None
+    """The Jinja chat template of an instruct model (from `init_from`'s tokenizer metadata):
+    `mtp eval --prompt-format chat` wraps each prompt in it."""
     init_from: str | None = None
     """A local transformers checkpoint of the Llama family (Llama, Mistral, Qwen2), or a Llama
     `.gguf` file, to start from: its shape replaces the other `--model.*` shape flags, its layers
@@ -147,6 +155,12 @@ class ModelConfig:
                 )
         if not self.eot_token:
             p.append("--model.eot_token must be a token (got an empty string)")
+        # with `init_from`, vocab_size is the pretrained model's (`mtp.hf.pretrained_config`)
+        if self.draft_vocab < 0 or self.init_from is None and self.draft_vocab > self.vocab_size:
+            p.append(f"--model.draft_vocab must be in [0, --model.vocab_size = "
+                     f"{self.vocab_size}] (got {self.draft_vocab})")
+        elif self.draft_vocab and self.n_future < 2:
+            p.append("--model.draft_vocab applies to heads 2..K, but --model.n_future is 1")
         if self.ffn_hidden is not None and self.ffn_hidden < 1:
             p.append(f"--model.ffn_hidden must be >= 1 (got {self.ffn_hidden})")
         _raise_if(p)

@@ -25,8 +25,8 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from mtp.config import InputError
 
-__all__ = ["ARCHITECTURES", "GGUFError", "QUANT_TYPES", "is_gguf", "packaged_model", "read_config",
-           "read_eos", "read_tokenizer", "read_weights"]
+__all__ = ["ARCHITECTURES", "GGUFError", "QUANT_TYPES", "is_gguf", "packaged_model",
+           "read_chat_template", "read_config", "read_eos", "read_tokenizer", "read_weights"]
 
 #: ``general.architecture`` values this reader maps onto mtp's blocks.
 ARCHITECTURES = ("llama",)
@@ -166,6 +166,11 @@ def read_eos(path: str | os.PathLike) -> str:
     if not 0 <= eos < len(tokens):
         raise GGUFError(f"{path}: tokenizer.ggml.eos_token_id {eos} is not a token id")
     return tokens[eos]
+
+
+def read_chat_template(path: str | os.PathLike) -> str | None:
+    """The Jinja chat template (``tokenizer.chat_template``), None where the file has none."""
+    return _get(_open(path), path, "tokenizer.chat_template", None)
 
 
 def read_tokenizer(path: str | os.PathLike) -> Tokenizer:

@@ -203,7 +203,8 @@ def export(model: MTPTransformer, tokenizer: Tokenizer, output: str | os.PathLik
         _write_json(tmp / "tokenizer_config.json", {
             "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": cfg.eot_token,
             "pad_token": cfg.eot_token, "model_max_length": cfg.max_seq_len,
-            "clean_up_tokenization_spaces": False})
+            "clean_up_tokenization_spaces": False}
+            | ({"chat_template": cfg.chat_template} if cfg.chat_template else {}))
         _write_json(tmp / MTP_CONFIG, {"format_version": FORMAT_VERSION,
                                        "model_config": dataclasses.asdict(cfg)})
         if output.exists():
@@ -318,7 +319,8 @@ def pretrained_config(path: str | os.PathLike, cfg: ModelConfig) -> ModelConfig:
         norm_eps=hf.get("rms_norm_eps", 1e-6), tie_embeddings=bool(hf.get(
             "tie_word_embeddings", False)), attn_bias=kind == "qwen2",
         max_seq_len=min(cfg.max_seq_len, hf.get("max_position_embeddings", cfg.max_seq_len)),
-        eot_token=eot, init_from=str(path))
+        eot_token=eot, chat_template=cfg.chat_template or pretrained_chat_template(path),
+        init_from=str(path))
 
 
 def _pretrained_hf_config(path: Path) -> dict:
@@ -376,6 +378,23 @@ def pretrained_eos(path: str | os.PathLike) -> str | None:
             if token is not None:
                 return token
     return None
+
+
+def pretrained_chat_template(path: str | os.PathLike) -> str | None:
+    """The chat template of a checkpoint: a GGUF file's ``tokenizer.chat_template``, a
+    directory's ``chat_template.jinja`` or ``tokenizer_config.json``'s ``chat_template``."""
+    from mtp import gguf
+
+    path = Path(path)
+    if gguf.is_gguf(path):
+        return gguf.read_chat_template(path)
+    if (path / "chat_template.jinja").is_file():
+        return (path / "chat_template.jinja").read_text()
+    try:
+        template = json.loads((path / "tokenizer_config.json").read_text()).get("chat_template")
+    except (OSError, ValueError):
+        return None
+    return template if isinstance(template, str) else None
 
 
 def _pretrained_weights(path: Path) -> dict[str, torch.Tensor]:
