@@ -350,9 +350,15 @@ class OptimConfig:
     pretrained_lr_scale: float = 1.0
     """The learning rate of the trunk, head 1, embedding, final norm and unembedding, as a
     fraction of `lr`; heads 2..K learn at `lr` (below 1: Medusa-2's joint training)."""
+    trunk_cache_mb: int = 4096
+    """With `train: heads`: memory (MiB) for the frozen trunk's outputs (and self-distillation
+    targets) of the training windows, computed once and reused in later epochs
+    (`mtp.frozen`); 0 recomputes them every step."""
 
     def __post_init__(self) -> None:
         p = []
+        if self.trunk_cache_mb < 0:
+            p.append(f"--optim.trunk_cache_mb must be >= 0 (got {self.trunk_cache_mb})")
         if self.lr <= 0:
             p.append(f"--optim.lr must be > 0 (got {self.lr})")
         if not 0.0 <= self.min_lr_ratio <= 1.0:

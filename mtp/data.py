@@ -230,6 +230,13 @@ class MTPDataModule(L.LightningDataModule):
         self.val_tokens = np.concatenate(self.val_shards)
         self.train_set, self.val_set = ConcatDataset(train), ConcatDataset(val)
 
+    def most_frequent(self, n: int) -> np.ndarray:
+        """The ids of the n most frequent tokens of the training split, most frequent first
+        (ties by id): the draft vocabulary of `--model.draft_vocab`."""
+        counts = sum(np.bincount(np.asarray(t), minlength=self.vocab_size)
+                     for t in self.train_shards)
+        return np.argsort(-counts, kind="stable")[:n]
+
     def train_dataloader(self) -> DataLoader:
         rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer \
             else (0, 1)

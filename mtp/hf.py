@@ -188,6 +188,8 @@ def export(model: MTPTransformer, tokenizer: Tokenizer, output: str | os.PathLik
     heads = {f"heads.{i}.{name}": t.detach().contiguous()
              for i, head in enumerate(model.heads) if i > 0
              for name, t in head.state_dict().items()}
+    if cfg.draft_vocab:
+        heads["draft_ids"] = model.draft_ids.detach().contiguous()
     dtype = model.embed.weight.dtype
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
@@ -438,6 +440,7 @@ def init_from_pretrained(model: MTPTransformer) -> None:
         for into in targets:
             state.update({f"{into}.{k}": v.clone() for k, v in layer.items()})
     missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if k != "draft_ids"]  # set from the training data
     if missing or unexpected:
         raise ExportError(f"--model.init_from {path}: weights do not fit (missing "
                           f"{missing[:4]}, unexpected {unexpected[:4]})")

@@ -30,6 +30,7 @@ class MTPLossOutput:
     loss: torch.Tensor
     head_losses: torch.Tensor  # (K,)
     head_accuracies: torch.Tensor | None = None  # (K,)
+    first: int = 0  # head_losses[j] is head first + j + 1's (1: the frozen head 1 has none)
 
 
 def mtp_inputs_targets(window: torch.Tensor, n_future: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,7 +69,8 @@ def naive_mtp_loss(
     targets: torch.Tensor,
     head_weights: list[float] | None = None,
 ) -> MTPLossOutput:
-    """Reference MTP loss: all heads' logits (K, B, T, V) are materialised together."""
+    """Reference MTP loss: all heads' logits (K, B, T, V) are materialised together. With a
+    draft vocabulary, heads 2..K's cross-entropy is over it, targets outside it ignored."""
     return model(inputs, heads_fn=functools.partial(naive_heads_loss, model, targets=targets,
                                                     head_weights=head_weights))
 
@@ -82,8 +84,12 @@ def naive_heads_loss(
 ) -> MTPLossOutput:
     """The heads' part of `naive_mtp_loss`, from the trunk output h (B, T, d)."""
     K = model.cfg.n_future
-    logits = torch.stack([model.unembed(z) for z in model.head_states(h, rope, targets)])
-    # (K, B, T, V)
+    logits = torch.stack([model.unembed(z) if i == 0 else model.draft_logits(z)
+                          for i, z in enumerate(model.head_states(h, rope, targets))])
+    # (K, B, T, V); with a draft vocabulary, heads 2..K's are -inf outside it and their targets
+    # outside it are ignored
+    targets = torch.stack([torch.where(model.head_targets(i, t) == IGNORE_INDEX, IGNORE_INDEX, t)
+                           for i, t in enumerate(targets)])
     # at least fp32 (bf16 logits would round the loss), but keep fp64 when testing in fp64
     dtype = torch.promote_types(logits.dtype, torch.float32)
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(dtype), targets.reshape(-1),
@@ -166,13 +172,16 @@ def _head_step(model, i, run_head, x, rope, targets, weights, fwd_bwd, with_accu
 
     Returns the loss, the accuracy (or None) and a dict id(tensor) -> gradient.
     """
-    W = model.unembed.weight
+    W, Wi = model.unembed.weight, model.head_unembed(i)  # Wi: W or its draft-vocabulary rows
     out = model.head_output(i, x, rope, tokens=targets[i - 1] if i else None, run=run_head)
     z = model.norm(out)  # (B, T, d)
-    t = targets[i].flatten()
-    loss, dz = fwd_bwd(z.detach().flatten(0, 1), W.detach(), t, grads[W], scale=weights[i],
+    t = model.head_targets(i, targets[i]).flatten()
+    gWi = grads[W] if Wi is W else torch.zeros_like(Wi, dtype=grads[W].dtype)
+    loss, dz = fwd_bwd(z.detach().flatten(0, 1), Wi.detach(), t, gWi, scale=weights[i],
                        ignore_index=IGNORE_INDEX)
-    acc = _accuracy(z.detach().flatten(0, 1), W, t) if with_accuracy else None
+    if Wi is not W:
+        grads[W].index_add_(0, model.draft_ids, gWi)
+    acc = top1_accuracy(z.detach().flatten(0, 1), Wi, t) if with_accuracy else None
     # A chained head's embedding lookup of a tied W: its gradient joins W's buffer.
     embed_W = model.chained and i > 0 and model.embed.weight is W and W.requires_grad
     wrt = [p for p in wrt if p.requires_grad and p is not W] + ([W] if embed_W else [])
@@ -369,20 +378,20 @@ def head_metrics(
 def _heads_metrics(model: MTPTransformer, h: torch.Tensor, rope: tuple[torch.Tensor, ...],
                    targets: torch.Tensor, head_weights: list[float] | None,
                    chunk: int) -> MTPLossOutput:
-    W = model.unembed.weight
     losses, accs = [], []
     for i, z in enumerate(model.head_states(h, rope, targets)):
-        z = z.flatten(0, 1)  # (N, d)
-        t = targets[i].flatten()
+        z, W = z.flatten(0, 1), model.head_unembed(i)  # (N, d), (V or Vd, d)
+        t = model.head_targets(i, targets[i]).flatten()
         losses.append(linear_cross_entropy(z, W, t, ignore_index=IGNORE_INDEX))
-        accs.append(_accuracy(z, W, t, chunk))
+        accs.append(top1_accuracy(z, W, t, chunk))
     losses = torch.stack(losses)
     weights = _head_weights(head_weights, len(losses), h.device)
     return MTPLossOutput((weights * losses).sum(), losses, torch.stack(accs))
 
 
 @torch.no_grad()
-def _accuracy(z: torch.Tensor, W: torch.Tensor, t: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+def top1_accuracy(z: torch.Tensor, W: torch.Tensor, t: torch.Tensor,
+                  chunk: int = 1024) -> torch.Tensor:
     """Top-1 accuracy of z @ W.T (z is (N, d)) over non-ignored targets, chunk x V at a time."""
     hits = z.new_zeros((), dtype=torch.long)
     for a in range(0, len(t), chunk):

@@ -139,6 +139,8 @@ class MTPTransformer(nn.Module):
         cos, sin = rope_tables(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)  # (max_seq_len, hd/2)
         self.register_buffer("rope_sin", sin, persistent=False)
+        if cfg.draft_vocab:  # the token ids heads 2..K predict over, set from the data
+            self.register_buffer("draft_ids", torch.arange(cfg.draft_vocab))  # (Vd,)
         self.reset_parameters()
         if cfg.tie_embeddings:
             self.unembed.weight = self.embed.weight
@@ -246,6 +248,32 @@ class MTPTransformer(nn.Module):
         logits are `unembed(head_hidden(...))`."""
         return self.norm(self.head_output(i, x, rope, **kw))
 
+    def head_unembed(self, i: int) -> torch.Tensor:
+        """The unembedding rows head i (0-based) predicts over: W (V, d), or for heads 2..K with
+        a draft vocabulary its rows W[draft_ids] (Vd, d)."""
+        W = self.unembed.weight
+        return W if i == 0 or not self.cfg.draft_vocab else W[self.draft_ids]
+
+    def head_targets(self, i: int, targets: torch.Tensor) -> torch.Tensor:
+        """Token ids as head i's classes: themselves, or for heads 2..K with a draft vocabulary
+        their index in `draft_ids`, -100 (ignored) for a token outside it."""
+        if i == 0 or not self.cfg.draft_vocab:
+            return targets
+        index = targets.new_full((self.cfg.vocab_size,), -100)
+        index[self.draft_ids] = torch.arange(len(self.draft_ids), device=targets.device)
+        return torch.where(targets >= 0, index[targets.clamp(min=0)], targets)
+
+    def draft_logits(self, z: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (..., V) of heads 2..K from their normalised hidden states z (..., d): the
+        draft vocabulary's, -inf elsewhere (so argmax, top-k and sampling draft from it alone),
+        or the whole vocabulary's without one. `rows` is `head_unembed(1)` where the caller
+        keeps it."""
+        if not self.cfg.draft_vocab:
+            return self.unembed(z)
+        rows = self.head_unembed(1) if rows is None else rows
+        out = z.new_full((*z.shape[:-1], self.cfg.vocab_size), float("-inf"))
+        return out.index_copy_(-1, self.draft_ids, z @ rows.T)
+
     def head_states(
         self,
         h: torch.Tensor,
@@ -274,7 +302,8 @@ class MTPTransformer(nn.Module):
         mask: torch.Tensor | None = None,
         heads_fn: Callable[[torch.Tensor, tuple[torch.Tensor, torch.Tensor]], T_out] | None = None,
     ) -> torch.Tensor | T_out:
-        """Logits of the first `heads` heads (default all K): (K, B, T, V).
+        """Logits of the first `heads` heads (default all K): (K, B, T, V); with a draft
+        vocabulary, heads 2..K's are -inf outside it (`draft_logits`).
 
         Chained heads (`deepseek`) read the input itself: head i at position t reads token
         t + i of idx, teacher-forced; where that lies past idx (the last i positions) it reads
@@ -295,7 +324,8 @@ class MTPTransformer(nn.Module):
                 raise ValueError("a cached forward of chained heads needs each head's own "
                                  "tokens: decode through mtp.decoding")
             return torch.stack([
-                self.unembed(self.head_hidden(i, h, rope, cache=cache, slots=slots, mask=mask))
+                (self.draft_logits if i else self.unembed)(
+                    self.head_hidden(i, h, rope, cache=cache, slots=slots, mask=mask))
                 for i in range(heads)
             ])  # (K, B, T, V)
         tokens = None
@@ -303,7 +333,8 @@ class MTPTransformer(nn.Module):
             t = torch.arange(idx.shape[1], device=idx.device)
             tokens = torch.stack([idx[:, (t + i).clamp(max=idx.shape[1] - 1)]
                                   for i in range(1, heads)])
-        return torch.stack([self.unembed(z) for z in self.head_states(h, rope, tokens, heads)])
+        return torch.stack([self.unembed(z) if i == 0 else self.draft_logits(z)
+                            for i, z in enumerate(self.head_states(h, rope, tokens, heads))])
 
     def num_params(self, *, embedding: bool = True) -> int:
         """Parameter count (shared tensors counted once); optionally without the input embedding."""
@@ -332,7 +363,8 @@ class MTPTransformer(nn.Module):
         # backend, whose bmm's it counts): exactly equal for K in {1, 4} and both head types.
         matrices = sum(p.numel() for part in (self.blocks, self.heads)
                        for p in part.parameters() if p.dim() > 1)
-        unembed = self.cfg.n_future * self.unembed.weight.numel()
+        V, d = self.unembed.weight.shape
+        unembed = d * (V + (self.cfg.n_future - 1) * (self.cfg.draft_vocab or V))
         n_attn = sum(isinstance(m, Attention) for m in self.modules())
         return 6 * (matrices + unembed) + 12 * n_attn * self.cfg.d_model * seq_len
 

@@ -11,6 +11,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from mtp.checkpoint import check_checkpoint_config
 from mtp.config import CompileConfig, ConfigError, LossConfig, ModelConfig, OptimConfig
+from mtp.frozen import FrozenTrunk, heads_loss
 from mtp.loss import MTPLossOutput, mtp_inputs_targets, mtp_loss, scheduled_head_weights
 from mtp.model import MTPTransformer, build_model
 
@@ -36,6 +37,7 @@ class MTPModule(L.LightningModule):
         if compile.enabled:
             compile_blocks(self.model, compile.mode)
         self.flops_per_batch: float | None = None  # read by Lightning's ThroughputMonitor
+        self.trunk_cache: FrozenTrunk | None = None  # `--optim.train heads` (`mtp.frozen`)
 
     # -- the step --------------------------------------------------------------------------
     def compute_loss(self, window: torch.Tensor, *, with_accuracy: bool = True,
@@ -48,11 +50,23 @@ class MTPModule(L.LightningModule):
         return mtp_loss(self.model, inputs, targets, weights, strategy=self.loss_cfg.strategy,
                         with_accuracy=with_accuracy)
 
+    def heads_only_loss(self, window: torch.Tensor, *, with_accuracy: bool = True,
+                        head_weights: list[float] | None = None) -> MTPLossOutput:
+        """`--optim.train heads`: the loss of heads 2..K from the frozen trunk's output of the
+        windows (B, T + K), computed once per window and kept (`mtp.frozen`)."""
+        if self.trunk_cache is None:
+            self.trunk_cache = FrozenTrunk(self.model, self_targets=self.loss_cfg.targets == "self",
+                                           max_bytes=self.optim_cfg.trunk_cache_mb << 20)
+        h, targets = self.trunk_cache(window)
+        weights = self.loss_cfg.head_weights if head_weights is None else head_weights
+        return heads_loss(self.model, h, targets, weights, with_accuracy=with_accuracy)
+
     def _log_heads(self, stage: str, out: MTPLossOutput, **kw) -> None:
-        metrics = {f"{stage}/loss_head{i + 1}": v for i, v in enumerate(out.head_losses)}
+        first = out.first + 1
+        metrics = {f"{stage}/loss_head{i}": v for i, v in enumerate(out.head_losses, first)}
         if out.head_accuracies is not None:
-            metrics |= {f"{stage}/acc_head{i + 1}": v
-                        for i, v in enumerate(out.head_accuracies)}
+            metrics |= {f"{stage}/acc_head{i}": v
+                        for i, v in enumerate(out.head_accuracies, first)}
         self.log_dict(metrics, **kw)
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
@@ -64,9 +78,9 @@ class MTPModule(L.LightningModule):
         # from an earlier step is written under a later one
         weights = scheduled_head_weights(self.loss_cfg, self.model_cfg.n_future,
                                          self.global_step)
-        out = self.compute_loss(
-            batch, with_accuracy=(self.global_step + 1) % self.trainer.log_every_n_steps == 0,
-            head_weights=weights)
+        step = self.heads_only_loss if self.optim_cfg.train == "heads" else self.compute_loss
+        out = step(batch, with_accuracy=(self.global_step + 1) % self.trainer.log_every_n_steps
+                   == 0, head_weights=weights)
         self.log("train/loss", out.loss, prog_bar=True)
         if self.loss_cfg.schedule != "constant":
             self.log_dict({f"train/head_weight{i + 1}": w for i, w in enumerate(weights)})
@@ -79,6 +93,14 @@ class MTPModule(L.LightningModule):
         # head 1 is the next-token loss, the number comparable across K and with other models
         self.log("val/next_token_loss", out.head_losses[0], prog_bar=True, sync_dist=True)
         self._log_heads("val", out, sync_dist=True)
+
+    def setup(self, stage: str) -> None:
+        """The draft vocabulary (`--model.draft_vocab`): the most frequent tokens of the
+        training data. A resumed run then loads the checkpoint's own over it."""
+        dm = self.trainer.datamodule if self.trainer is not None else None
+        if stage == "fit" and self.model_cfg.draft_vocab and dm is not None:
+            ids = dm.most_frequent(self.model_cfg.draft_vocab)
+            self.model.draft_ids.copy_(torch.from_numpy(ids))
 
     def configure_model(self) -> None:
         """Shard the model with FSDP2 when the strategy provides a device mesh (`--trainer.strategy

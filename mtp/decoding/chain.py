@@ -127,7 +127,7 @@ class ChainHeads(Drafter):
     def _children(self, ctx: Context, hidden: torch.Tensor, width: int):
         """Children of nodes with depth outputs `hidden` (B, T, d): their top-`width` tokens
         (B, T, width), and for a sampled chain the draws' distribution (B, T, V)."""
-        logits = self.model.unembed(self.model.norm(hidden))
+        logits = self.model.draft_logits(self.model.norm(hidden))
         if self.tree is not None:
             return logits.topk(width, dim=-1).indices, None
         if ctx.sampling.greedy:

@@ -103,7 +103,7 @@ class HeadChain(Drafter):
         slots = cache.lengths[:, None] + torch.arange(t, device=h.device)
         out = self.heads(h, (cos, sin), cache, slots, chain_mask(cache.lengths, t))
         hidden = out[:, torch.arange(len(last), device=h.device), last]  # (h-1, B, d)
-        logits = ctx.model.unembed(hidden.transpose(0, 1))  # (B, h-1, V)
+        logits = self.heads.logits(hidden.transpose(0, 1))  # (B, h-1, V)
         self._draft(ctx, logits)
         ctx.timer.lap("draft")
 

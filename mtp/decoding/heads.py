@@ -34,6 +34,8 @@ class DraftHeads:
         self.first_layer = model.head_layers[1] if heads > 1 else None  # cache layer of head 2
         self.cached = self.first_layer is not None  # linear and medusa heads keep no keys
         self.stacked = stack_blocks(list(model.heads[1:heads])) if self.n else None
+        # a draft vocabulary's unembedding rows, gathered once (`MTPTransformer.draft_logits`)
+        self.rows = model.head_unembed(1).detach() if self.n and model.cfg.draft_vocab else None
 
     def __call__(
         self,
@@ -52,12 +54,18 @@ class DraftHeads:
         x = self.stacked(h.expand(self.n, *h.shape), *rope, kv, slots, mask)
         return self.model.norm(x)
 
+    def logits(self, z: torch.Tensor) -> torch.Tensor:
+        """Draft logits (..., V) of normalised head states z (..., d)."""
+        return self.model.draft_logits(z, self.rows)
+
 
 _BUILT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _weights_key(model: MTPTransformer) -> tuple:
-    return tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in model.heads.parameters())
+    drafted = [*model.heads.parameters()] + (
+        [model.unembed.weight, model.draft_ids] if model.cfg.draft_vocab else [])
+    return tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in drafted)
 
 
 def draft_heads(model: MTPTransformer, heads: int) -> DraftHeads:

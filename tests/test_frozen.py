@@ -1,0 +1,76 @@
+"""Heads-only training on a frozen trunk (`mtp.frozen`): the same gradients as the sequential
+pass with head 1's weight at zero, from trunk outputs computed once and kept."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mtp.config import ModelConfig
+from mtp.frozen import FrozenTrunk, heads_loss
+from mtp.loss import mtp_inputs_targets, sequential_mtp_loss
+from mtp.model import MTPTransformer
+from mtp.module import self_targets
+
+
+def _frozen_model(head_type: str, **kw) -> MTPTransformer:
+    torch.manual_seed(0)
+    model = MTPTransformer(ModelConfig(vocab_size=97, d_model=32, n_layers=2, n_heads=2,
+                                       n_future=3, max_seq_len=64, head_type=head_type, **kw))
+    new = {id(p) for head in model.heads[1:] for p in head.parameters()}
+    for p in model.parameters():
+        p.requires_grad_(id(p) in new)
+    return model
+
+
+def _head_grads(model, loss) -> dict[str, torch.Tensor]:
+    model.zero_grad()
+    loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("head_type", ["block", "medusa", "deepseek"])
+@pytest.mark.parametrize("targets", ["data", "self"])
+@pytest.mark.parametrize("draft_vocab", [0, 40])
+def test_heads_loss_equals_the_sequential_pass(head_type, targets, draft_vocab):
+    model = _frozen_model(head_type, draft_vocab=draft_vocab)
+    window = torch.randint(0, 97, (4, 21 + 3))
+    inputs, data_targets = mtp_inputs_targets(window, 3)
+    want_targets = self_targets(model, window) if targets == "self" else data_targets
+    weights = [0.0, 1.0, 0.5]
+    want = sequential_mtp_loss(model, inputs, want_targets, weights, with_accuracy=True)
+    want_grads = _head_grads(model, want.loss)
+
+    cache = FrozenTrunk(model, self_targets=targets == "self", max_bytes=1 << 30)
+    h, got_targets = cache(window)
+    assert torch.equal(got_targets, want_targets)
+    got = heads_loss(model, h, got_targets, weights, with_accuracy=True)
+    assert got.first == 1 and got.head_losses.shape == (2,)
+    torch.testing.assert_close(got.head_losses, want.head_losses[1:], rtol=1e-5, atol=0)
+    torch.testing.assert_close(got.head_accuracies, want.head_accuracies[1:])
+    got_grads = _head_grads(model, got.loss)
+    assert got_grads.keys() == want_grads.keys() and all(n.startswith("heads.") for n in got_grads)
+    for name, g in want_grads.items():
+        err = (got_grads[name] - g).norm() / g.norm().clamp(min=1e-30)
+        assert err < 1e-5, f"{name}: {err:.2e}"
+
+
+def test_the_cache_computes_each_window_once_within_its_budget(monkeypatch):
+    model = _frozen_model("block")
+    windows = torch.randint(0, 97, (6, 16 + 3))
+    calls = []
+    cache = FrozenTrunk(model, self_targets=True, max_bytes=1 << 30)
+    compute = cache._compute
+    monkeypatch.setattr(cache, "_compute", lambda w: calls.append(len(w)) or compute(w))
+    first = cache(windows[:4])
+    again = cache(windows[[3, 4, 1, 5]])  # two kept, two new
+    assert calls == [4, 2] and (cache.hits, cache.misses) == (2, 6)
+    (h1, t1), (h2, t2) = first, again
+    assert torch.equal(h2[0], h1[3]) and torch.equal(t2[:, 0], t1[:, 3])  # kept entries
+    assert torch.equal(h2[2], h1[1]) and torch.equal(t2[:, 2], t1[:, 1])
+    fresh = FrozenTrunk(model, self_targets=True, max_bytes=0)._compute(windows[[4, 5]])
+    assert torch.equal(h2[[1, 3]], fresh[0]) and torch.equal(t2[:, [1, 3]], fresh[1])
+    per_window = cache.bytes // 6
+    small = FrozenTrunk(model, self_targets=True, max_bytes=2 * per_window)
+    small(windows)
+    assert len(small.entries) == 2 and small.bytes <= 2 * per_window
