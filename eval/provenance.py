@@ -7,7 +7,9 @@ settings, the sandbox, and the code revision. A rerun compares what it would rec
 is there: equal, it resumes; different, it refuses and names each difference; with ``--fresh``,
 it moves the old results into ``stale-<time>/`` inside the directory (nothing is deleted) and
 starts afresh. Results without a ``provenance.json`` cannot be checked and are treated as
-different.
+different; a ``provenance.json`` without results (a run that stopped before its first sample,
+e.g. on a checkpoint without the chat template its ``--prompt-format`` needs) holds nothing to
+protect and is replaced.
 """
 
 from __future__ import annotations
@@ -88,7 +90,7 @@ def check_or_record(output_dir: str | os.PathLike, produced: dict, *, fresh: boo
         old = None
     produced = json.loads(json.dumps(produced))  # as it reads back from the file
     moved = None
-    if old == produced or (old is None and not results):
+    if old == produced or not results:
         pass
     elif not fresh:
         if old is None:
