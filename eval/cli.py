@@ -2,12 +2,14 @@
 
     mtp eval humaneval --completions samples.jsonl --output out/
     mtp eval mbpp --ckpt CKPT --n-samples 20 --temperature 0.8 --k 1,10 --output out/
+    mtp eval humaneval --ckpt INSTRUCT_CKPT --prompt-format chat --output out/
     mtp eval mbpp --plus --data-file MbppPlus-OriginFmt.jsonl.gz --completions samples.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections import Counter
@@ -21,6 +23,7 @@ from mtp.eval.harness import (
     load_completions,
     print_table,
 )
+from mtp.eval.prompts import is_chat
 from mtp.eval.provenance import check_or_record, code_revision, path_digest, tasks_digest
 from mtp.eval.sandbox import Limits, detect_isolation
 
@@ -87,8 +90,15 @@ def build_parser() -> argparse.ArgumentParser:
         add_data_arguments(p)
         if name == "mbpp":
             add_mbpp_data_arguments(p)
-            p.add_argument("--prompt-format", choices=("3shot", "0shot"), default="3shot",
-                           help="Austin et al. 3-shot [BEGIN]/[DONE], or docstring 0-shot")
+            p.add_argument("--prompt-format", choices=("3shot", "0shot", "chat"), default="3shot",
+                           help="Austin et al. 3-shot [BEGIN]/[DONE], docstring 0-shot, or the "
+                                "task and its asserts as a user message in the model's chat "
+                                "template (instruct models), the code taken from the answer")
+        else:
+            p.add_argument("--prompt-format", choices=("0shot", "chat"), default="0shot",
+                           help="the prompt as given, continued; or the prompt in a user message "
+                                "in the model's chat template (instruct models), the code taken "
+                                "from the answer")
         p.add_argument("--decoder", default=None,
                        help="mtp.decoding decoder (default: greedy at temperature 0, else sample)")
         p.add_argument("--device", default="cpu")
@@ -186,9 +196,7 @@ def _run(args: argparse.Namespace) -> int:
             print(f"mtp eval: earlier results moved to {moved}", file=sys.stderr)
     if args.limit:
         benchmark.tasks = benchmark.tasks[: args.limit]
-    fmt = None
-    if args.benchmark == "mbpp":
-        fmt = f"mbpp-{args.prompt_format}"
+    fmt = f"{args.benchmark}-{args.prompt_format}"
     limits = Limits(timeout=args.timeout, cpu_seconds=args.cpu_limit,
                     memory_bytes=int(args.memory_gb * 2**30))
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
@@ -215,6 +223,13 @@ def _run(args: argparse.Namespace) -> int:
         extra = {"draft_ckpt": args.draft_ckpt} if args.draft_ckpt else {}
         completer = load_completer(args.ckpt, decoder=decoder, device=args.device,
                                    batch_size=args.batch_size, **extra)
+        if is_chat(fmt):
+            if completer.chat_template is None:
+                raise DataError(f"--prompt-format chat needs the model's chat template, and "
+                                f"{args.ckpt} has none (a model started with --model.init_from "
+                                "from an instruct model carries that model's); choose another "
+                                "--prompt-format")
+            config = dataclasses.replace(config, chat_template=completer.chat_template)
         summary = evaluate_completions(benchmark, completer=completer, config=config, **common)
     print_table(summary)
     if args.output is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from mtp.eval.chat import ChatTemplate
 
 from mtp.decoding import DECODERS, DecodeStats, generate
 from mtp.model import MTPTransformer
@@ -31,6 +32,14 @@ class ModelCompleter:
         self.decode_kwargs = decode_kwargs
         self.eot_id = eot_id(tokenizer, model.cfg)
         self.stats = DecodeStats()
+
+    @property
+    def chat_template(self) -> ChatTemplate | None:
+        """The model's chat template (``ModelConfig.chat_template``), None where it has none."""
+        cfg = self.model.cfg
+        if not cfg.chat_template:
+            return None
+        return ChatTemplate(cfg.chat_template, eos_token=cfg.eot_token)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

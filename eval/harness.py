@@ -3,10 +3,11 @@
 Output files (in ``--output DIR``), all append-only JSONL written line by line with
 flush + fsync, so an interrupted run resumes where it stopped:
 
-* ``completions.jsonl``: generations (``task_id``, ``sample``, ``completion``), when generating
-  from a checkpoint; a crash during scoring never costs a regeneration.
-* ``samples.jsonl``: scored samples (``task_id``, ``sample``, ``completion``, ``passed``,
-  ``outcome``, ``error``, ``duration``).
+* ``completions.jsonl``: generations (``task_id``, ``sample``, ``completion``, and under a chat
+  prompt format the model's whole ``answer``), when generating from a checkpoint; a crash during
+  scoring never costs a regeneration.
+* ``samples.jsonl``: scored samples (those fields, ``passed``, ``outcome``, ``error``,
+  ``duration``).
 * ``summary.json``: ``pass@k``, counts, settings, versions and the isolation that held.
 
 A resumed run skips samples already in these files. A last line cut short by a crash is dropped
@@ -31,10 +32,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from mtp.eval.chat import ChatTemplate
 from mtp.eval.data import Benchmark, DataError, Task, read_jsonl
 from mtp.eval.execution import Execution, TimePolicy, data_paths, prepare
 from mtp.eval.passk import pass_at_k_table
-from mtp.eval.prompts import build_prompt, default_format, stop_sequences, truncate
+from mtp.eval.prompts import build_prompt, default_format, extract, is_chat, stop_sequences
 from mtp.eval.sandbox import ExecResult, Isolation, Limits, detect_isolation
 from tqdm import tqdm
 
@@ -85,6 +87,8 @@ class GenerationConfig:
     """Base seed; batch b uses seed + b (a resumed run re-batches, so it is not bit-identical)."""
     prompt_format: str | None = None
     """See :mod:`mtp.eval.prompts`; None picks the benchmark's default."""
+    chat_template: ChatTemplate | None = None
+    """The model's chat template, which the ``*-chat`` prompt formats render."""
 
 
 def default_workers() -> int:
@@ -193,7 +197,8 @@ def generate(
     log: JsonlLog | None = None,
     on_sample: Callable[[dict], None] | None = None,
 ) -> list[dict]:
-    """Sample ``n_samples`` completions per task, in batches, truncated at the stop sequences.
+    """Sample ``n_samples`` completions per task, in batches; each is cut out of its generation
+    by :func:`mtp.eval.prompts.extract` (truncated at the stop sequences, or a chat answer's code).
 
     Args:
         benchmark: The tasks.
@@ -204,14 +209,16 @@ def generate(
         on_sample: Called with each new record (the harness starts scoring it right away).
 
     Returns:
-        All completion records (resumed and new), ``{"task_id", "sample", "completion"}``.
+        All completion records (resumed and new), ``{"task_id", "sample", "completion"}``, and
+        ``"answer"``, the whole generation, under a chat format.
     """
     fmt = config.prompt_format or default_format(benchmark)
     stops = stop_sequences(fmt)
     done = {(r["task_id"], r["sample"]): r for r in (log.records if log else [])}
     todo = [(task, i) for task in benchmark.tasks for i in range(config.n_samples)
             if (task.task_id, i) not in done]
-    prompts = {t.task_id: build_prompt(t, fmt, benchmark.shots) for t, _ in todo}
+    prompts = {t.task_id: build_prompt(t, fmt, benchmark.shots, config.chat_template)
+               for t, _ in todo}
     records = [r for r in done.values()
                if r["task_id"] in benchmark.by_id() and r["sample"] < config.n_samples]
     bar = tqdm(total=len(todo), desc=f"generate {benchmark.name}", unit="sample", file=sys.stderr,
@@ -226,7 +233,10 @@ def generate(
         if len(texts) != len(batch):
             raise RuntimeError(f"completer returned {len(texts)} texts for {len(batch)} prompts")
         for (task, i), text in zip(batch, texts):
-            record = {"task_id": task.task_id, "sample": i, "completion": truncate(text, fmt)}
+            record = {"task_id": task.task_id, "sample": i}
+            if is_chat(fmt):
+                record["answer"] = text
+            record["completion"] = extract(text, task, fmt)
             if log:
                 log.append(record)
             records.append(record)
