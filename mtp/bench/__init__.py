@@ -26,7 +26,10 @@ import sys
 
 from mtp.config import DECODERS, HEAD_TYPES
 
-__all__ = ["comma_ints", "main", "parser"]
+__all__ = ["TRANSFORMERS_DECODERS", "comma_ints", "main", "parser"]
+
+#: transformers' decoders `mtp bench decode --transformers` times beside mtp's (`mtp.bench.decode`).
+TRANSFORMERS_DECODERS = ("greedy", "prompt-lookup")
 
 # subcommand (and its module under mtp.bench): help line
 _BENCHMARKS = {
@@ -116,6 +119,16 @@ def _decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calib-prompts", type=int, default=10,
                    help="prompts whose greedy continuations calibrate the auto tree")
     p.add_argument("--warmup", type=int, default=1, help="untimed prompts before measuring")
+    p.add_argument("--transformers", default="", metavar="DECODERS",
+                   help="also time transformers' generate on the same weights (head 1 as a "
+                        "LlamaForCausalLM, mtp.hf), comma-separated from "
+                        + ", ".join(TRANSFORMERS_DECODERS) + "; greedy, one prompt at a time")
+    p.add_argument("--prompt-lookup-tokens", type=int, default=10, metavar="N",
+                   help="transformers prompt-lookup: tokens proposed per round "
+                        "(prompt_lookup_num_tokens)")
+    p.add_argument("--prompt-lookup-ngram", type=int, default=2, metavar="N",
+                   help="transformers prompt-lookup: longest n-gram of the text so far it "
+                        "matches (max_matching_ngram_size)")
     decoding_args(p)
     device_args(p)
 

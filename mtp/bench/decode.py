@@ -6,6 +6,8 @@ acceptance, ms per token, the speedup against greedy measured in the same run, e
 beside a bare forward of the model over the same number of tokens, the time split and the
 output-equality check, as a table and a CSV. `--oracle` adds decoders that draft the tokens
 greedy emits: an upper bound that measures the loop's own cost, whatever the heads are worth.
+`--transformers` adds transformers' own `generate` (greedy, prompt lookup) on the same weights,
+head 1 as a `LlamaForCausalLM` (`mtp.hf`), taking its turns on each prompt with mtp's decoders.
 The decoding flags are `mtp generate`'s (`mtp.decode_cli`).
 """
 
@@ -21,11 +23,13 @@ from pathlib import Path
 
 import torch
 
+from mtp.bench import TRANSFORMERS_DECODERS
 from mtp.bench.report import publish
 from mtp.config import DECODERS
 from mtp.decode_cli import check_args, load, text_decoder
 from mtp.decoding import PHASES, DecodeStats, Tree, generate, head_accuracy
 from mtp.decoding.policy import Adaptive
+from mtp.decoding.stopper import Stopper
 
 
 @dataclass
@@ -34,6 +38,7 @@ class _Config:
 
     name: str
     decoder: str
+    library: str = "mtp"  # or "transformers": its `generate`, on head 1's weights
     heads: int = 1
     tree: Tree | None = None
     gamma: int = 0
@@ -57,6 +62,103 @@ class _Config:
         if self.decoder == "oracle":
             kw.update(reference=reference, gamma=self.gamma)
         return kw
+
+
+class _Transformers:
+    """transformers' `generate` on the weights of head 1: the `LlamaForCausalLM` of `mtp.hf`,
+    built in memory, decoding one prompt a call where mtp's decoders stop (end-of-text, max new
+    tokens, the context window, stop strings), with its forwards counted for L."""
+
+    def __init__(self, model, tokenizer, eot: int, stop: list[str], decode,
+                 lookup: dict[str, int]) -> None:
+        import transformers
+
+        from mtp.hf import llama_config, llama_state
+
+        state = llama_state(model)  # refuses what the Llama layout cannot hold
+        config = dict(llama_config(model.cfg, tokenizer, model.embed.weight.dtype))
+        config = transformers.AutoConfig.for_model(config.pop("model_type"), **config)
+        self.model = transformers.AutoModelForCausalLM.from_config(config)
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        # Tied embeddings: transformers ties lm_head to the embedding itself.
+        if set(missing) - ({"lm_head.weight"} if model.cfg.tie_embeddings else set()) \
+                or unexpected:
+            raise RuntimeError(f"transformers' {type(self.model).__name__} does not take head "
+                               f"1's weights (missing {missing[:4]}, unexpected {unexpected[:4]})")
+        self.model.to(device=model.embed.weight.device, dtype=model.embed.weight.dtype).eval()
+        self.device, self.window = model.embed.weight.device, model.cfg.max_seq_len
+        self.eot, self.stop, self.decode, self.lookup = eot, stop, decode, lookup
+        self.forwards, self.prompt_len = 0, 0
+        self.model.register_forward_hook(self._count)
+        criteria = transformers.StoppingCriteriaList()
+        if stop:
+            stopped = self._stopped
+
+            class StopStrings(transformers.StoppingCriteria):
+                def __call__(self, input_ids, scores, **kwargs):
+                    return stopped(input_ids)
+
+            criteria.append(StopStrings())
+        self.criteria = criteria
+
+    def _count(self, *_) -> None:
+        self.forwards += 1
+
+    def _stopped(self, input_ids: torch.Tensor) -> torch.Tensor:
+        text = self.decode(input_ids[0, self.prompt_len:].tolist())
+        done = any(s in text for s in self.stop)
+        return torch.full((len(input_ids),), done, dtype=torch.bool, device=input_ids.device)
+
+    def __call__(self, decoder: str, prompt: list[int], max_new_tokens: int
+                 ) -> tuple[list[list[int]], DecodeStats]:
+        """`decoder` (greedy or prompt-lookup) on one prompt: [new tokens] and what it did."""
+        # mtp ends a row whose sequence fills the context window; so does this.
+        n = min(max_new_tokens, self.window - len(prompt))
+        ids = torch.tensor([prompt], device=self.device)
+        self.forwards, self.prompt_len = 0, len(prompt)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        seq = self.model.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
+            eos_token_id=self.eot, pad_token_id=self.eot, stopping_criteria=self.criteria,
+            **(self.lookup if decoder == "prompt-lookup" else {}))
+        new = seq[0, len(prompt):].tolist()
+        seconds = time.perf_counter() - start
+        # A round of prompt lookup may accept tokens past a stop string: cut where mtp's
+        # stopper would (the time keeps the tokens past it, as it keeps a draft's).
+        stopper = Stopper(1, n, self.eot, self.stop, self.decode, None)
+        stopper.extend(0, new)
+        out = stopper.out[0]
+        return [out], DecodeStats(tokens=len(out), forwards=self.forwards,
+                                  row_forwards=self.forwards, prefills=1, seconds=seconds)
+
+
+def _transformers_decoders(p, args) -> list[str]:
+    """`--transformers` as a list, every problem of it and its flags reported together."""
+    names = [d.strip() for d in args.transformers.split(",") if d.strip()]
+    problems = [f"--transformers: unknown decoder {d!r}; choose from "
+                f"{', '.join(TRANSFORMERS_DECODERS)}" for d in names
+                if d not in TRANSFORMERS_DECODERS]
+    for flag, value in (("--prompt-lookup-tokens", args.prompt_lookup_tokens),
+                        ("--prompt-lookup-ngram", args.prompt_lookup_ngram)):
+        if value < 1:
+            problems.append(f"{flag} must be >= 1 (got {value})")
+    if names:
+        if args.batch_size != 1:
+            problems.append(f"--transformers decodes one prompt at a time (transformers' prompt "
+                            f"lookup takes one row): drop --batch-size {args.batch_size}")
+        if args.temperature:
+            problems.append("--transformers times greedy decoding: drop --temperature")
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            problems.append("--transformers needs the transformers package "
+                            "(pip install 'mtp[hf]')")
+    if problems:
+        p.error(problems[0] if len(problems) == 1 else
+                f"{len(problems)} problems:\n  " + "\n  ".join(problems))
+    return list(dict.fromkeys(names))
 
 
 def _read_prompts(p, spec: str) -> list[str]:
@@ -132,6 +234,7 @@ def _configs(args, decoders: list[str], heads: list[int], tree: Tree) -> list[_C
 def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """`mtp bench decode`: print the table and append it to `--csv`."""
     tree = check_args(p, args)
+    hf_decoders = _transformers_decoders(p, args)
     decoders = [d.strip() for d in args.decoders.split(",") if d.strip()]
     for d in decoders:
         if d not in DECODERS:
@@ -161,6 +264,17 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                   decode=text_decoder(tokenizer), temperature=args.temperature, top_k=args.top_k,
                   top_p=args.top_p)
     sampled = bool(args.temperature)
+    hf = None
+    if hf_decoders:
+        from mtp.hf import ExportError
+
+        lookup = {"prompt_lookup_num_tokens": args.prompt_lookup_tokens,
+                  "max_matching_ngram_size": args.prompt_lookup_ngram}
+        try:
+            hf = _Transformers(model, tokenizer, common["eot_id"], args.stop, common["decode"],
+                               lookup)
+        except ExportError as e:
+            p.error(f"--transformers: head 1 of --ckpt {args.ckpt} is not a Llama model ({e})")
     configs = _configs(args, decoders, heads, tree)
     if "tree" in decoders and args.auto_tree > 0 and k > 1:
         calib = [generate(model, [x], args.max_new_tokens, **{**common, "temperature": None})
@@ -173,11 +287,14 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         print(f"auto tree: {auto}")
         configs.append(_Config(f"tree auto({args.auto_tree}) h={k}", "tree", heads=k,
                                tree=auto))
+    configs += [_Config(f"transformers {d}", d, library="transformers") for d in hf_decoders]
 
     batches = [prompts[i : i + args.batch_size] for i in range(0, len(prompts), args.batch_size)]
     gen = torch.Generator(device=args.device)
 
     def run(c: _Config, batch: list[list[int]], reference, seed: int):
+        if c.library == "transformers":
+            return hf(c.decoder, batch[0], args.max_new_tokens)
         gen.manual_seed(seed)
         return generate(model, batch, args.max_new_tokens, **c.kwargs(draft, reference),
                         generator=gen, **common)
@@ -226,6 +343,13 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         "batch_size": args.batch_size,
         "repeat": args.repeat,
     }
+    if hf is not None:
+        import transformers
+
+        meta["transformers"] = transformers.__version__
+        if "prompt-lookup" in hf_decoders:
+            meta["prompt_lookup_tokens"] = args.prompt_lookup_tokens
+            meta["prompt_lookup_ngram"] = args.prompt_lookup_ngram
     cols = ["decoder", "L", "acceptance", "ms_per_token", "speedup", "speedup_over_L",
             "round_ms", "ms_per_accepted", "bare_ms", "round_over_bare",
             *[f"{ph}_pct" for ph in PHASES], "drafts_chosen", "equal_to_greedy"]
@@ -234,12 +358,16 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
           "round_ms: mean round after the prefill; ms_per_accepted: round_ms per token a "
           "round produced; bare_ms: a forward of trunk + head 1 + "
           "unembedding over the same tokens, measured alone")
+    if hf is not None:
+        print("transformers rows: its generate on head 1's weights, one prompt at a time; L: new "
+              "tokens per forward of its model (a forward hook counts them)")
     return 0
 
 
 def _rows(configs: list[_Config], bare_ms: dict[tuple[int, int], float], n_prompts: int,
           sampled: bool) -> list[dict]:
-    """One table row per decoder; times are per-prompt medians over the repeats."""
+    """One table row per decoder; times are per-prompt medians over the repeats. transformers'
+    rows have L, times, speedups and equality; what it does not expose is left empty."""
     base = sum(configs[0].seconds) / max(configs[0].stats.tokens, 1)
     rows = []
     for c in configs:
@@ -271,4 +399,8 @@ def _rows(configs: list[_Config], bare_ms: dict[tuple[int, int], float], n_promp
                                 else "n/a (sampling)"),
             **{f"acc_{i + 1}": round(a, 4) for i, a in enumerate(s.acceptance)},
         })
+        if c.library == "transformers":
+            rows[-1].update(dict.fromkeys(
+                ["acceptance", "round_ms", "ms_per_accepted", "bare_ms", "round_over_bare",
+                 *[f"{ph}_pct" for ph in PHASES], "drafts_chosen"]))
     return rows
