@@ -47,15 +47,27 @@ def transformers_model(smollm2):
     return model.eval(), tokenizer
 
 
-def test_smollm2_logits_and_token_ids_equal_transformers(smollm2, transformers_model):
-    reference, hf_tokenizer = transformers_model
-    cfg = pretrained_config(smollm2, ModelConfig(n_future=2, max_seq_len=256))
-    assert (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.vocab_size) == \
-        (29, 576, 9, 3, 49152)
-    assert cfg.tie_embeddings and cfg.rope_theta == 1e5 and cfg.eot_token == "<|im_end|>"
+@pytest.fixture(scope="module")
+def smollm2_mtp(smollm2):
+    """SmolLM2 as trunk and head 1, with heads 2..4 (copies of its last layer, untrained) over a
+    draft vocabulary of the 2048 tokens most frequent in this file's own source."""
+    cfg = pretrained_config(smollm2, ModelConfig(n_future=4, max_seq_len=256, draft_vocab=2048))
     model = build_model(cfg)
     init_from_pretrained(model)
     tokenizer = mtp_gguf.read_tokenizer(smollm2)
+    counts = np.bincount(tokenizer.encode(Path(__file__).read_text() * 2).ids, minlength=49152)
+    model.draft_ids.copy_(torch.from_numpy(np.argsort(-counts, kind="stable")[:2048]))
+    return model.eval(), tokenizer
+
+
+def test_smollm2_logits_and_token_ids_equal_transformers(smollm2_mtp, transformers_model):
+    reference, hf_tokenizer = transformers_model
+    model, tokenizer = smollm2_mtp
+    cfg = model.cfg
+    assert (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.vocab_size) == \
+        (29, 576, 9, 3, 49152)
+    assert cfg.tie_embeddings and cfg.rope_theta == 1e5 and cfg.eot_token == "<|im_end|>"
+    assert cfg.chat_template.startswith("{% for message in messages %}")
     for text in TEXTS:
         assert tokenizer.encode(text).ids == hf_tokenizer(text)["input_ids"], text
     ids = torch.tensor([tokenizer.encode(TEXTS[0]).ids])
@@ -65,6 +77,21 @@ def test_smollm2_logits_and_token_ids_equal_transformers(smollm2, transformers_m
     rel = (ours - theirs).abs().max() / theirs.abs().max()
     assert rel < 1e-4, rel
     assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+
+
+def test_smollm2_self_speculation_with_a_draft_vocabulary_equals_greedy(smollm2_mtp):
+    from mtp.decoding import generate
+
+    model, tokenizer = smollm2_mtp
+    prompts = [tokenizer.encode(p).ids for p in (
+        "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+        "import os\n\n\ndef list_python_files(root):\n")]
+    eot = tokenizer.token_to_id(model.cfg.eot_token)
+    with torch.no_grad():
+        want, _ = generate(model, prompts, 24, decoder="greedy", eot_id=eot)
+        got, stats = generate(model, prompts, 24, decoder="self-spec", eot_id=eot)
+    assert got == want
+    assert stats.tokens_per_forward > 1.0  # some drafts of the untrained heads were accepted
 
 
 def _write_gguf(path: Path, *, arch: str = "llama", quant: str = "F32") -> Path:
