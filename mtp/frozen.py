@@ -8,9 +8,11 @@ the trunk again. `heads_loss` then trains heads 2..K by plain autograd from h: n
 no loss or gradient for the frozen head 1, and the fused linear cross-entropy over each head's
 vocabulary (its draft vocabulary where `--model.draft_vocab` gives one), so no N x V logits.
 
-NOTE: on SmolLM2-135M (30 layers, V = 49152) the frozen parts are 94% of a heads-only step's
-forward FLOPs at K = 4 with block heads and a 4096-token draft vocabulary; `mtp bench train`
-does not cover this path, the recipe's own log (tokens/s per epoch) shows what the cache saves.
+NOTE: FLOPs per training token on SmolLM2-135M at K = 4 (block heads, 4096-token draft
+vocabulary), counting 2 per weight and forward matmul, 6 with the backward: the general step
+(`MTPModule.compute_loss`) costs about 757M: the self-distillation targets' trunk, head 1 and
+full-vocabulary forward (269M), the trunk again (205M), head 1's full-vocabulary loss and
+gradients (177M), heads 2..4 (106M). Here the first epoch costs 269M + 106M and later ones 106M.
 """
 
 from __future__ import annotations
