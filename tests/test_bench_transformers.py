@@ -95,3 +95,38 @@ def test_transformers_is_refused_where_it_cannot_apply(files, capsys, monkeypatc
     with pytest.raises(SystemExit) as e:
         bench(["--ckpt", files["untied"], "--transformers", "prompt-lookup"])
     assert "--transformers needs the transformers package" in capsys.readouterr().err
+
+
+def test_benchmark_prompts_are_those_mtp_eval_builds(capsys):
+    """`--prompts humaneval,mbpp=FILE`: the first N of each benchmark, raw or in the chat
+    template, as `mtp eval` builds them; a chat format without a template names the flag."""
+    import argparse
+    import os
+    from pathlib import Path
+
+    from mtp.eval.chat import ChatTemplate
+    from mtp.eval.data import load_benchmark
+    from mtp.eval.prompts import build_prompt
+
+    from mtp.bench.decode import read_prompts
+
+    mbpp_file = Path(os.environ.get("MTP_SHARED_DATA", Path(__file__).parents[2] / "shared"
+                                    / "data")) / "mbpp" / "mbpp.jsonl"
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+                "{% endif %}")
+    cfg = ModelConfig(chat_template=template, eot_token="<|im_end|>")
+    p = argparse.ArgumentParser()
+    he, mbpp = load_benchmark("humaneval"), load_benchmark("mbpp", mbpp_file)
+    spec = f"humaneval,mbpp={mbpp_file}"
+    raw = read_prompts(p, spec, "raw", 2, cfg)
+    assert raw == [t.prompt for t in he.tasks[:2]] + [
+        build_prompt(t, "mbpp-3shot", mbpp.shots) for t in mbpp.tasks[:2]]
+    chat = read_prompts(p, spec, "chat", 2, cfg)
+    want = ChatTemplate(template, eos_token="<|im_end|>")
+    assert chat == [build_prompt(t, "humaneval-chat", chat=want) for t in he.tasks[:2]] + [
+        build_prompt(t, "mbpp-chat", chat=want) for t in mbpp.tasks[:2]]
+    assert all(c.startswith("<|im_start|>user\n") for c in chat)
+    with pytest.raises(SystemExit):
+        read_prompts(p, "humaneval", "chat", 1, ModelConfig())
+    assert "--prompt-format chat needs the model's chat template" in capsys.readouterr().err

@@ -96,8 +96,14 @@ def _decode_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--ckpt", required=True, help="checkpoint to decode with")
     p.add_argument("--prompts", default="humaneval",
-                   help="humaneval (default), a .jsonl file with a 'prompt' field, or a text file")
-    p.add_argument("--limit", type=int, default=None, help="use the first N prompts only")
+                   help="comma-separated prompt sources: humaneval (default), mbpp=FILE (MBPP's "
+                        "test split from a local file, as `mtp eval mbpp --data-file`), a .jsonl "
+                        "file with a 'prompt' field, or a text file")
+    p.add_argument("--prompt-format", choices=("raw", "chat"), default="raw",
+                   help="benchmark prompts as `mtp eval` builds them by default (raw), or in the "
+                        "model's chat template (chat, as `mtp eval --prompt-format chat`)")
+    p.add_argument("--limit", type=int, default=None,
+                   help="use the first N prompts of each source only")
     p.add_argument("--decoders", default="greedy,self-spec,tree,draft",
                    help="comma-separated decoders from " + ", ".join(DECODERS) + " (greedy "
                         "always runs: it is the reference); draft runs only with --draft-ckpt")

