@@ -394,11 +394,13 @@ class LossConfig:
     `train/head_weight{i}`."""
     schedule_steps: int | None = None
     """Steps in which `ramp` and `curriculum` reach every head's full weight."""
-    targets: Literal["data", "self"] = "data"
+    targets: Literal["data", "self", "greedy"] = "data"
     """`self`: head i learns the model's own greedy prediction of the token i ahead (head 1's
     argmax given the text so far, computed without gradient before each step) instead of the
     data's token: Medusa's self-distillation, for heads added to a pretrained model whose
-    training data is not at hand."""
+    training data is not at hand. `greedy`: the same, only where the data's next i - 1 tokens
+    are the model's own greedy ones (elsewhere ignored), so head i learns token i of the greedy
+    continuation itself, which is what greedy speculation accepts."""
 
     def __post_init__(self) -> None:
         p = []
@@ -443,10 +445,11 @@ class RunConfig:
                 f"--data.seq_len ({self.data.seq_len}) exceeds --model.max_seq_len "
                 f"({self.model.max_seq_len})"
             )
-        if self.loss.targets == "self" and self.data.seq_len + self.model.n_future - 1 > \
+        if self.loss.targets != "data" and self.data.seq_len + self.model.n_future - 1 > \
                 self.model.max_seq_len:
-            p.append(f"--loss.targets self predicts over --data.seq_len + --model.n_future - 1 = "
-                     f"{self.data.seq_len + self.model.n_future - 1} positions, more than "
+            p.append(f"--loss.targets {self.loss.targets} predicts over --data.seq_len + "
+                     f"--model.n_future - 1 = {self.data.seq_len + self.model.n_future - 1} "
+                     f"positions, more than "
                      f"--model.max_seq_len ({self.model.max_seq_len})")
         if self.data.tokenizer is None and self.model.init_from is None and \
                 self.model.vocab_size < BYTE_LEVEL_BASE:

@@ -2,11 +2,12 @@
 
 With the trunk, head 1, the embedding, the final norm and the unembedding frozen, a training step
 needs of them only what they output for its windows: the trunk output h, and with `--loss.targets
-self` head 1's greedy tokens. `FrozenTrunk` computes both in one forward without a graph and
-keeps them per window (keyed by its tokens), so later epochs read them back instead of running
-the trunk again. `heads_loss` then trains heads 2..K by plain autograd from h: no trunk backward,
-no loss or gradient for the frozen head 1, and the fused linear cross-entropy over each head's
-vocabulary (its draft vocabulary where `--model.draft_vocab` gives one), so no N x V logits.
+self` or `greedy` head 1's greedy tokens. `FrozenTrunk` computes both in one forward without a
+graph and keeps them per window (keyed by its tokens), so later epochs read them back instead of
+running the trunk again. `heads_loss` then trains heads 2..K by plain autograd from h: no trunk
+backward, no loss or gradient for the frozen head 1, and the fused linear cross-entropy over each
+head's vocabulary (its draft vocabulary where `--model.draft_vocab` gives one), so no N x V
+logits.
 
 NOTE: FLOPs per training token on SmolLM2-135M at K = 4 (block heads, 4096-token draft
 vocabulary), counting 2 per weight and forward matmul, 6 with the backward: the general step
@@ -20,7 +21,13 @@ from __future__ import annotations
 import torch
 
 from mtp.kernels import linear_cross_entropy
-from mtp.loss import IGNORE_INDEX, MTPLossOutput, mtp_inputs_targets, top1_accuracy
+from mtp.loss import (
+    IGNORE_INDEX,
+    MTPLossOutput,
+    mtp_inputs_targets,
+    targets_from_predictions,
+    top1_accuracy,
+)
 from mtp.model import MTPTransformer
 
 __all__ = ["FrozenTrunk", "heads_loss"]
@@ -35,8 +42,8 @@ class FrozenTrunk:
     Valid only while the trunk and head 1 do not change, which `--optim.train heads` ensures.
     """
 
-    def __init__(self, model: MTPTransformer, *, self_targets: bool, max_bytes: int) -> None:
-        self.model, self.self_targets, self.max_bytes = model, self_targets, max_bytes
+    def __init__(self, model: MTPTransformer, *, targets: str, max_bytes: int) -> None:
+        self.model, self.targets, self.max_bytes = model, targets, max_bytes
         self.entries: dict[bytes, tuple[torch.Tensor, torch.Tensor]] = {}
         self.bytes = 0
         self.hits = self.misses = 0
@@ -46,17 +53,18 @@ class FrozenTrunk:
         """h (B, T, d) and targets (K, B, T) of windows (B, T + K), in one trunk forward."""
         model, K = self.model, self.model.cfg.n_future
         T = window.shape[1] - K
-        if not self.self_targets:
+        if self.targets == "data":
             inputs, targets = mtp_inputs_targets(window, K)
             return model.trunk(inputs)[0], targets
-        # Head 1's greedy token after each of the first T + K - 1 tokens: head i's target at t
-        # is the prediction of token t + i (`mtp.module.self_targets`). The trunk is causal, so
-        # its first T outputs are the heads' inputs.
+        # Head 1's greedy token after each of the first T + K - 1 tokens, as
+        # `mtp.module.self_targets` computes them. The trunk is causal, so its first T outputs
+        # are the heads' inputs.
         h, rope = model.trunk(window[:, :-1])  # (B, T + K - 1, d)
         z = model.head_hidden(0, h, rope).flatten(0, 1)  # (B * (T + K - 1), d)
         preds = torch.cat([model.unembed(part).argmax(-1) for part in z.split(1024)]) \
             .view(len(window), -1)
-        return h[:, :T], torch.stack([preds[:, i:i + T] for i in range(K)])
+        return h[:, :T], targets_from_predictions(window, preds, K,
+                                                  chain=self.targets == "greedy")
 
     def __call__(self, window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h (B, T, d) and targets (K, B, T) of the windows (B, T + K)."""

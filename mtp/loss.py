@@ -45,6 +45,27 @@ def mtp_inputs_targets(window: torch.Tensor, n_future: int) -> tuple[torch.Tenso
     return window[:, :T], targets.transpose(0, 1)
 
 
+def targets_from_predictions(window: torch.Tensor, preds: torch.Tensor, n_future: int, *,
+                             chain: bool = False) -> torch.Tensor:
+    """Self-distillation targets (K, B, T) of windows (B, T + K) from the model's greedy
+    predictions (B, T + K - 1), preds[:, s] being head 1's argmax after tokens 0..s.
+
+    Head i (1-based) at position t gets preds[:, t + i - 1], the model's prediction of token
+    t + i given the data before it. With `chain`, only where the data's tokens t + 1 .. t + i - 1
+    are the model's own greedy ones (elsewhere `IGNORE_INDEX`): there it is token i of the greedy
+    continuation from t, the token a drafting head i must propose to be accepted.
+    """
+    T = window.shape[1] - n_future
+    targets = torch.stack([preds[:, i:i + T] for i in range(n_future)])  # (K, B, T)
+    if chain:
+        agree = window[:, 1:] == preds  # (B, T + K - 1): token s + 1 is the greedy one
+        on_path = torch.ones_like(agree[:, :T])
+        for i in range(1, n_future):
+            on_path = on_path & agree[:, i - 1:i - 1 + T]
+            targets[i] = targets[i].masked_fill(~on_path, IGNORE_INDEX)
+    return targets
+
+
 def scheduled_head_weights(cfg: LossConfig, k: int, step: int) -> list[float]:
     """The head weights of training step `step` under `--loss.schedule` (see `LossConfig`)."""
     base = list(cfg.head_weights or [1.0] * k)

@@ -12,7 +12,13 @@ from lightning.pytorch.utilities import rank_zero_info
 from mtp.checkpoint import check_checkpoint_config
 from mtp.config import CompileConfig, ConfigError, LossConfig, ModelConfig, OptimConfig
 from mtp.frozen import FrozenTrunk, heads_loss
-from mtp.loss import MTPLossOutput, mtp_inputs_targets, mtp_loss, scheduled_head_weights
+from mtp.loss import (
+    MTPLossOutput,
+    mtp_inputs_targets,
+    mtp_loss,
+    scheduled_head_weights,
+    targets_from_predictions,
+)
 from mtp.model import MTPTransformer, build_model
 
 
@@ -44,8 +50,8 @@ class MTPModule(L.LightningModule):
                      head_weights: list[float] | None = None) -> MTPLossOutput:
         """The loss of windows (B, T + K), with `head_weights` (default `--loss.head_weights`)."""
         inputs, targets = mtp_inputs_targets(window, self.model_cfg.n_future)
-        if self.loss_cfg.targets == "self":
-            targets = self_targets(self.model, window)
+        if self.loss_cfg.targets != "data":
+            targets = self_targets(self.model, window, chain=self.loss_cfg.targets == "greedy")
         weights = self.loss_cfg.head_weights if head_weights is None else head_weights
         return mtp_loss(self.model, inputs, targets, weights, strategy=self.loss_cfg.strategy,
                         with_accuracy=with_accuracy)
@@ -55,7 +61,7 @@ class MTPModule(L.LightningModule):
         """`--optim.train heads`: the loss of heads 2..K from the frozen trunk's output of the
         windows (B, T + K), computed once per window and kept (`mtp.frozen`)."""
         if self.trunk_cache is None:
-            self.trunk_cache = FrozenTrunk(self.model, self_targets=self.loss_cfg.targets == "self",
+            self.trunk_cache = FrozenTrunk(self.model, targets=self.loss_cfg.targets,
                                            max_bytes=self.optim_cfg.trunk_cache_mb << 20)
         h, targets = self.trunk_cache(window)
         weights = self.loss_cfg.head_weights if head_weights is None else head_weights
@@ -212,16 +218,15 @@ class TokenizerInCheckpoint(L.Callback):
 
 
 @torch.no_grad()
-def self_targets(model: MTPTransformer, window: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
-    """The targets of `--loss.targets self`: (K, B, T), head i's at position t being the
-    model's own greedy prediction of token t + i (head 1's argmax after tokens 0..t + i - 1 of
-    the window), where the data's targets would hold the token itself.
+def self_targets(model: MTPTransformer, window: torch.Tensor, chunk: int = 4096, *,
+                 chain: bool = False) -> torch.Tensor:
+    """The targets of `--loss.targets self` (or `greedy`, with `chain`): (K, B, T) from the
+    model's own greedy predictions (`mtp.loss.targets_from_predictions`), head 1's argmax after
+    each of the window's first T + K - 1 tokens.
 
     Head 1's argmax runs over at most `chunk` positions at a time, so no logits of the whole
     window are held; it runs through the model's forward, so FSDP gathers what it needs.
     """
-    K = model.cfg.n_future
-    T = window.shape[1] - K
 
     def greedy(h, rope):
         z = model.head_hidden(0, h, rope).flatten(0, 1)  # (B * (T + K - 1), d)
@@ -233,8 +238,7 @@ def self_targets(model: MTPTransformer, window: torch.Tensor, chunk: int = 4096)
         preds = model(window[:, :-1], heads_fn=greedy).view(window.shape[0], -1)
     finally:
         model.train(was_training)
-    # preds[:, j] predicts token j + 1; head i (0-based) at position t predicts token t + i + 1
-    return torch.stack([preds[:, i:i + T] for i in range(K)])
+    return targets_from_predictions(window, preds, model.cfg.n_future, chain=chain)
 
 
 def compile_blocks(model: MTPTransformer, mode: str = "default") -> None:

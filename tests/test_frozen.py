@@ -30,18 +30,19 @@ def _head_grads(model, loss) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("head_type", ["block", "medusa", "deepseek"])
-@pytest.mark.parametrize("targets", ["data", "self"])
+@pytest.mark.parametrize("targets", ["data", "self", "greedy"])
 @pytest.mark.parametrize("draft_vocab", [0, 40])
 def test_heads_loss_equals_the_sequential_pass(head_type, targets, draft_vocab):
     model = _frozen_model(head_type, draft_vocab=draft_vocab)
     window = torch.randint(0, 97, (4, 21 + 3))
     inputs, data_targets = mtp_inputs_targets(window, 3)
-    want_targets = self_targets(model, window) if targets == "self" else data_targets
+    want_targets = data_targets if targets == "data" else self_targets(
+        model, window, chain=targets == "greedy")
     weights = [0.0, 1.0, 0.5]
     want = sequential_mtp_loss(model, inputs, want_targets, weights, with_accuracy=True)
     want_grads = _head_grads(model, want.loss)
 
-    cache = FrozenTrunk(model, self_targets=targets == "self", max_bytes=1 << 30)
+    cache = FrozenTrunk(model, targets=targets, max_bytes=1 << 30)
     h, got_targets = cache(window)
     assert torch.equal(got_targets, want_targets)
     got = heads_loss(model, h, got_targets, weights, with_accuracy=True)
@@ -59,7 +60,7 @@ def test_the_cache_computes_each_window_once_within_its_budget(monkeypatch):
     model = _frozen_model("block")
     windows = torch.randint(0, 97, (6, 16 + 3))
     calls = []
-    cache = FrozenTrunk(model, self_targets=True, max_bytes=1 << 30)
+    cache = FrozenTrunk(model, targets="self", max_bytes=1 << 30)
     compute = cache._compute
     monkeypatch.setattr(cache, "_compute", lambda w: calls.append(len(w)) or compute(w))
     first = cache(windows[:4])
@@ -68,9 +69,35 @@ def test_the_cache_computes_each_window_once_within_its_budget(monkeypatch):
     (h1, t1), (h2, t2) = first, again
     assert torch.equal(h2[0], h1[3]) and torch.equal(t2[:, 0], t1[:, 3])  # kept entries
     assert torch.equal(h2[2], h1[1]) and torch.equal(t2[:, 2], t1[:, 1])
-    fresh = FrozenTrunk(model, self_targets=True, max_bytes=0)._compute(windows[[4, 5]])
+    fresh = FrozenTrunk(model, targets="self", max_bytes=0)._compute(windows[[4, 5]])
     assert torch.equal(h2[[1, 3]], fresh[0]) and torch.equal(t2[:, [1, 3]], fresh[1])
     per_window = cache.bytes // 6
-    small = FrozenTrunk(model, self_targets=True, max_bytes=2 * per_window)
+    small = FrozenTrunk(model, targets="self", max_bytes=2 * per_window)
     small(windows)
     assert len(small.entries) == 2 and small.bytes <= 2 * per_window
+
+
+def test_greedy_targets_are_the_greedy_continuation_where_the_data_follow_it():
+    """`--loss.targets greedy` against greedy decoding itself: where the data's next tokens are
+    the model's greedy ones, head i's target is token i of the greedy continuation; elsewhere
+    ignored. The model is trained a little on a repeating text, so the data follow it often."""
+    from decoding_helpers import train_cyclic
+
+    from mtp.decoding import generate
+    from mtp.loss import IGNORE_INDEX
+
+    model, _ = train_cyclic(steps=40)
+    K, T = model.cfg.n_future, 14
+    cycle = torch.tensor(model.cycle)
+    window = cycle[torch.arange(T + K) % 11][None].clone()
+    window[0, 6] = (window[0, 6] + 1) % 256  # a token off the greedy path
+    targets = self_targets(model, window, chain=True)  # (K, 1, T)
+    on, off = 0, 0
+    for t in range(T):
+        chain, _ = generate(model, [window[0, :t + 1].tolist()], K, decoder="greedy")
+        for i in range(K):
+            follows = window[0, t + 1:t + 1 + i].tolist() == chain[0][:i]
+            want = chain[0][i] if follows else IGNORE_INDEX
+            assert targets[i, 0, t] == want, (t, i)
+            on, off = on + (follows and i > 0), off + (not follows)
+    assert on > 10 and off > 3  # both cases occur
