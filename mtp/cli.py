@@ -1,7 +1,7 @@
 """The `mtp` command: one line per subcommand, each imported only when it runs, so that
 `mtp --help` answers at once (torch and Lightning take seconds to import).
 
-    mtp fit | validate | generate | eval | bench | export ...
+    mtp fit | validate | generate | eval | bench | export | distill ...
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ COMMANDS = {
     "eval": "HumanEval / MBPP: generate or score completions, pass@k",
     "bench": "benchmarks: loss | train | kernel | decode | tokenize | sandbox",
     "export": "write a checkpoint as a transformers directory (`mtp export hf`)",
+    "distill": "a self-distillation corpus: the model's own answers to coding requests",
 }
 
 
@@ -69,6 +70,10 @@ def _dispatch(argv: list[str]) -> int:
         return bench_main(rest)
     if cmd == "export":
         return _export(rest)
+    if cmd == "distill":
+        from mtp.distill import main as distill_main
+
+        return distill_main(rest)
     print(f"mtp: unknown command {cmd!r}; choose from {', '.join(COMMANDS)}", file=sys.stderr)
     return 2
 

@@ -1,0 +1,151 @@
+"""`mtp distill`: a self-distillation corpus, the model's own answers to coding requests.
+
+Heads drafting for an instruct model must predict what that model writes when it answers, in
+its chat template: code in a fence, prose around it. Medusa trains its heads on the base model's
+own responses for that reason. The requests come from the Python standard library (each public
+function with a docstring becomes "write this function" with its signature and docstring), so
+nothing is downloaded and no benchmark task is among them; the model answers each greedily in
+batches. Every line of the output is ``{"text": prompt + answer, "request": ..., "finished":
+...}``, the text as the model saw and wrote it, for `mtp fit --data.source FILE --data.text_field
+text` with `--loss.targets greedy` (where the text follows the model's greedy path, which is
+nearly everywhere in its own answers, every head learns the exact token speculation accepts).
+
+Lines are appended a batch at a time and flushed; a rerun with the same arguments continues after
+the last complete line, so an interrupted run loses at most one batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import random
+import sys
+import sysconfig
+from pathlib import Path
+
+__all__ = ["main", "requests"]
+
+_REQUEST = "Write a Python function `{name}({args})` that does the following:\n\n{doc}"
+
+
+def requests(root: Path, n: int, seed: int) -> list[str]:
+    """n requests, "write function f(args) that: docstring", from the public top-level
+    functions of the .py files under `root` that have a docstring, in a seeded random order."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if any(part in ("test", "tests", "idlelib", "site-packages") for part in path.parts):
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
+            continue
+        for node in tree.body:
+            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
+                continue
+            doc = ast.get_docstring(node)
+            if doc and len(doc) >= 40:
+                paragraph = doc.strip().split("\n\n")[0]
+                found.append(_REQUEST.format(name=node.name, args=ast.unparse(node.args),
+                                             doc=paragraph))
+    found = sorted(set(found))
+    random.Random(seed).shuffle(found)
+    return found[:n]
+
+
+def _load(model_arg: str, max_seq_len: int):
+    """An mtp checkpoint or export, or a pretrained model (`--model.init_from`'s forms)."""
+    from mtp.bpe import load_tokenizer
+    from mtp.checkpoint import load_checkpoint
+    from mtp.config import ModelConfig
+    from mtp.hf import is_export, pretrained_config, pretrained_tokenizer, resolve_pretrained
+    from mtp.model import build_model
+
+    path = resolve_pretrained(model_arg)
+    if path.suffix in (".ckpt", ".pt") or is_export(path):
+        return load_checkpoint(path)
+    from mtp.hf import init_from_pretrained
+
+    cfg = pretrained_config(path, ModelConfig(n_future=1, max_seq_len=max_seq_len))
+    model = build_model(cfg)
+    init_from_pretrained(model)
+    return model.eval(), load_tokenizer(pretrained_tokenizer(cfg.init_from))
+
+
+def _done(out: Path) -> int:
+    """Complete lines already in `out`; a torn last line (a killed write) is cut off."""
+    if not out.is_file():
+        return 0
+    data = out.read_bytes()
+    keep = data[:data.rfind(b"\n") + 1]
+    if len(keep) != len(data):
+        with open(out, "r+b") as f:
+            f.truncate(len(keep))
+    return keep.count(b"\n")
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="mtp distill", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True,
+                   help="an mtp checkpoint or export, a transformers directory, a .gguf file or "
+                        "package:PKG/FILE")
+    p.add_argument("--out", required=True, help="the .jsonl file to write (appended, resumable)")
+    p.add_argument("--requests", type=int, default=512, help="requests to answer")
+    p.add_argument("--source", default=sysconfig.get_paths()["stdlib"],
+                   help="directory whose .py files' documented functions become the requests "
+                        "(default: the Python standard library)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="longest answer, in tokens")
+    p.add_argument("--batch-size", type=int, default=16, help="requests answered together")
+    p.add_argument("--seed", type=int, default=0, help="order of the requests")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    args = p.parse_args(argv)
+    for flag in ("requests", "max_new_tokens", "batch_size"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be >= 1 (got {getattr(args, flag)})")
+    source = Path(args.source)
+    if not source.is_dir():
+        p.error(f"--source {source} is not a directory")
+    todo = requests(source, args.requests, args.seed)
+    if not todo:
+        p.error(f"--source {source} has no documented public functions")
+
+    import torch
+
+    from mtp.decoding import generate
+    from mtp.eval.chat import ChatTemplate
+    from mtp.vocab import eot_id
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer = _load(args.model, max_seq_len=2048)
+    cfg = model.cfg
+    if not cfg.chat_template:
+        p.error(f"--model {args.model} has no chat template to put the requests in")
+    chat = ChatTemplate(cfg.chat_template, eos_token=cfg.eot_token)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    start = _done(out)
+    eot = eot_id(tokenizer, cfg)
+    with open(out, "a", encoding="utf-8") as f:
+        for b in range(start, len(todo), args.batch_size):
+            batch = todo[b:b + args.batch_size]
+            prompts = [chat.render([{"role": "user", "content": r}]) for r in batch]
+            with torch.no_grad():
+                new, _ = generate(model, [tokenizer.encode(x).ids for x in prompts],
+                                  args.max_new_tokens, decoder="greedy", eot_id=eot)
+            for request, prompt, ids in zip(batch, prompts, new):
+                finished = bool(ids) and ids[-1] == eot
+                answer = tokenizer.decode(ids[:-1] if finished else ids,
+                                          skip_special_tokens=False)
+                f.write(json.dumps({"text": prompt + answer, "request": request,
+                                    "finished": finished}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+            print(f"{min(b + args.batch_size, len(todo))}/{len(todo)} requests answered",
+                  file=sys.stderr, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
