@@ -1,0 +1,110 @@
+"""`mtp distill`: the model's own greedy answers to requests made from documented functions, in
+its chat template, appended and resumable."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from mtp.eval.chat import ChatTemplate
+
+from mtp.bpe import train_tokenizer
+from mtp.checkpoint import save_checkpoint
+from mtp.cli import main
+from mtp.config import ModelConfig
+from mtp.decoding import generate
+from mtp.distill import requests
+from mtp.model import MTPTransformer
+
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+SOURCE = '''
+def add(a, b=1):
+    """Return the sum of a and b, which must both be numbers of any kind.
+
+    More detail that the request leaves out."""
+    return a + b
+
+
+def _private(x):
+    """A private helper that is documented at length but never requested."""
+
+
+def short(x):
+    """Too short."""
+
+
+def join_words(words, sep=" "):
+    """Join the words with the separator between each pair of them, in order."""
+    return sep.join(words)
+
+
+class Box:
+    def method(self):
+        """A method, not a top-level function, documented at some length here."""
+'''
+
+
+@pytest.fixture()
+def setup(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.py").write_text(SOURCE)
+    (src / "b.py").write_text(SOURCE.replace("add", "mul").replace("sum", "product")
+                              .replace("join_words", "glue"))
+    (src / "broken.py").write_text("def (:\n")
+    tok = train_tokenizer([SOURCE] * 10, 400, 1 << 20, eot_token="<|im_end|>")
+    torch.manual_seed(0)
+    cfg = ModelConfig.from_name("debug", vocab_size=400, n_future=2, max_seq_len=512,
+                                eot_token="<|im_end|>", chat_template=TEMPLATE)
+    model = MTPTransformer(cfg).eval()
+    save_checkpoint(tmp_path / "m.ckpt", model, tok)
+    return tmp_path, src, model, tok
+
+
+def test_requests_are_documented_public_functions(setup):
+    _, src, _, _ = setup
+    got = requests(src, 10, seed=0)
+    assert len(got) == 4 and got == requests(src, 10, seed=0)
+    assert sorted(r.split("`")[1] for r in got) == ["add(a, b=1)", "glue(words, sep=' ')",
+                                                   "join_words(words, sep=' ')", "mul(a, b=1)"]
+    assert all("More detail" not in r and "private" not in r and "Too short" not in r
+               for r in got)
+    assert requests(src, 2, seed=0) == got[:2]
+
+
+def test_answers_are_the_greedy_continuations_and_a_rerun_resumes(setup):
+    tmp, src, model, tok = setup
+    out = tmp / "d.jsonl"
+    args = ["distill", "--model", str(tmp / "m.ckpt"), "--out", str(out), "--source", str(src),
+            "--max-new-tokens", "12", "--batch-size", "2"]
+    assert main([*args, "--requests", "3"]) == 0
+    first = out.read_text().splitlines()
+    assert len(first) == 3
+    with open(out, "a") as f:
+        f.write('{"text": "torn')  # a write killed half-way
+    assert main([*args, "--requests", "4"]) == 0
+    lines = out.read_text().splitlines()
+    assert lines[:3] == first and len(lines) == 4
+    chat = ChatTemplate(TEMPLATE, eos_token="<|im_end|>")
+    eot = tok.token_to_id("<|im_end|>")
+    for line, request in zip(lines, requests(src, 4, seed=0)):
+        row = json.loads(line)
+        prompt = chat.render([{"role": "user", "content": request}])
+        (ids,), _ = generate(model, [tok.encode(prompt).ids], 12, decoder="greedy", eot_id=eot)
+        finished = ids[-1] == eot
+        answer = tok.decode(ids[:-1] if finished else ids, skip_special_tokens=False)
+        assert row == {"text": prompt + answer, "request": request, "finished": finished}
+
+
+def test_a_model_without_a_chat_template_is_refused(setup, capsys):
+    tmp, src, model, tok = setup
+    plain = MTPTransformer(ModelConfig.from_name("debug", vocab_size=400, n_future=2,
+                                                 eot_token="<|im_end|>"))
+    save_checkpoint(tmp / "plain.ckpt", plain, tok)
+    with pytest.raises(SystemExit):
+        main(["distill", "--model", str(tmp / "plain.ckpt"), "--out", str(tmp / "x.jsonl"),
+              "--source", str(src)])
+    assert "has no chat template" in capsys.readouterr().err
+    assert not (tmp / "x.jsonl").exists()
