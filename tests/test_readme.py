@@ -80,6 +80,7 @@ SHRINK = {
                             "--batch-size", "10"],
     ("eval", "mbpp"): ["--limit", "1", "--data-file", MBPP_FILE],  # offline: the local copy
     ("export",): [],
+    ("distill",): ["--requests", "2", "--max-new-tokens", "4", "--batch-size", "2"],
     ("bench", "loss"): ["--n", "64", "--d", "32", "--vocab", "128", "--seq-len", "32", "--ks",
                         "1", "--reps", "1", "--warmup", "0"],
     ("bench", "train"): ["--model", "debug", "--ks", "1,2", "--seq-len", "16", "--batch-size",
