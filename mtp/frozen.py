@@ -36,9 +36,9 @@ __all__ = ["FrozenTrunk", "heads_loss"]
 class FrozenTrunk:
     """The frozen trunk's output and the targets of each training window, computed once.
 
-    A window's entry is its trunk output h (T, d) and its K target rows (K, T), in the model's
-    dtype: `max_bytes` of them are kept (later windows are computed each time they come). The
-    key is the window's tokens, so a resumed run or another batch size finds the same entries.
+    A window's entry is its trunk output h (T, d) and its K target rows (K, T): `max_bytes` of
+    them are kept (later windows are computed each time they come). The key is the window's
+    tokens, so a window finds its entry whatever batch it comes in (each epoch shuffles them).
     Valid only while the trunk and head 1 do not change, which `--optim.train heads` ensures.
     """
 

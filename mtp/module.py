@@ -84,7 +84,10 @@ class MTPModule(L.LightningModule):
         # from an earlier step is written under a later one
         weights = scheduled_head_weights(self.loss_cfg, self.model_cfg.n_future,
                                          self.global_step)
-        step = self.heads_only_loss if self.optim_cfg.train == "heads" else self.compute_loss
+        # FSDP gathers the root's parameters (embedding, norm, unembedding) in the model's own
+        # forward, which the heads-only path does not call: sharded runs take the general step
+        frozen = self.optim_cfg.train == "heads" and self.device_mesh is None
+        step = self.heads_only_loss if frozen else self.compute_loss
         out = step(batch, with_accuracy=(self.global_step + 1) % self.trainer.log_every_n_steps
                    == 0, head_weights=weights)
         self.log("train/loss", out.loss, prog_bar=True)
