@@ -24,6 +24,7 @@ from mtp.kernels import linear_cross_entropy
 from mtp.loss import (
     IGNORE_INDEX,
     MTPLossOutput,
+    greedy_predictions,
     mtp_inputs_targets,
     targets_from_predictions,
     top1_accuracy,
@@ -60,9 +61,7 @@ class FrozenTrunk:
         # `mtp.module.self_targets` computes them. The trunk is causal, so its first T outputs
         # are the heads' inputs.
         h, rope = model.trunk(window[:, :-1])  # (B, T + K - 1, d)
-        z = model.head_hidden(0, h, rope).flatten(0, 1)  # (B * (T + K - 1), d)
-        preds = torch.cat([model.unembed(part).argmax(-1) for part in z.split(1024)]) \
-            .view(len(window), -1)
+        preds = greedy_predictions(model, h, rope)  # (B, T + K - 1)
         return h[:, :T], targets_from_predictions(window, preds, K,
                                                   chain=self.targets == "greedy")
 

@@ -45,6 +45,16 @@ def mtp_inputs_targets(window: torch.Tensor, n_future: int) -> tuple[torch.Tenso
     return window[:, :T], targets.transpose(0, 1)
 
 
+@torch.no_grad()
+def greedy_predictions(model: MTPTransformer, h: torch.Tensor,
+                       rope: tuple[torch.Tensor, torch.Tensor], chunk: int = 4096) -> torch.Tensor:
+    """Head 1's argmax (B, T) at every position of the trunk output h (B, T, d), over at most
+    `chunk` positions at a time, so no logits of the whole batch are held."""
+    z = model.head_hidden(0, h, rope).flatten(0, 1)  # (B * T, d)
+    return torch.cat([model.unembed(part).argmax(-1) for part in z.split(chunk)]) \
+        .view(h.shape[0], -1)
+
+
 def targets_from_predictions(window: torch.Tensor, preds: torch.Tensor, n_future: int, *,
                              chain: bool = False) -> torch.Tensor:
     """Self-distillation targets (K, B, T) of windows (B, T + K) from the model's greedy

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import lightning as L
@@ -14,6 +15,7 @@ from mtp.config import CompileConfig, ConfigError, LossConfig, ModelConfig, Opti
 from mtp.frozen import FrozenTrunk, heads_loss
 from mtp.loss import (
     MTPLossOutput,
+    greedy_predictions,
     mtp_inputs_targets,
     mtp_loss,
     scheduled_head_weights,
@@ -227,18 +229,14 @@ def self_targets(model: MTPTransformer, window: torch.Tensor, chunk: int = 4096,
     model's own greedy predictions (`mtp.loss.targets_from_predictions`), head 1's argmax after
     each of the window's first T + K - 1 tokens.
 
-    Head 1's argmax runs over at most `chunk` positions at a time, so no logits of the whole
-    window are held; it runs through the model's forward, so FSDP gathers what it needs.
+    Head 1's argmax (`mtp.loss.greedy_predictions`) runs over at most `chunk` positions at a
+    time; it runs through the model's forward, so FSDP gathers what it needs.
     """
-
-    def greedy(h, rope):
-        z = model.head_hidden(0, h, rope).flatten(0, 1)  # (B * (T + K - 1), d)
-        return torch.cat([model.unembed(part).argmax(-1) for part in z.split(chunk)])
-
     was_training = model.training
     model.eval()
     try:
-        preds = model(window[:, :-1], heads_fn=greedy).view(window.shape[0], -1)
+        preds = model(window[:, :-1], heads_fn=functools.partial(greedy_predictions, model,
+                                                                 chunk=chunk))
     finally:
         model.train(was_training)
     return targets_from_predictions(window, preds, model.cfg.n_future, chain=chain)

@@ -47,6 +47,8 @@ class ChainHeads(Drafter):
         self.top = max(self.tree.widths(), default=1) if self.tree is not None else 1
         self.max_drafts = self.depths if self.tree is None else self.tree.depth
         self.by_depth: dict[int, TreeTensors] = {}
+        # a draft vocabulary's unembedding rows, gathered once per decode, not once per level
+        self.rows = model.head_unembed(1).detach() if model.cfg.draft_vocab else None
 
     @property
     def slots_needed(self) -> int:
@@ -127,7 +129,7 @@ class ChainHeads(Drafter):
     def _children(self, ctx: Context, hidden: torch.Tensor, width: int):
         """Children of nodes with depth outputs `hidden` (B, T, d): their top-`width` tokens
         (B, T, width), and for a sampled chain the draws' distribution (B, T, V)."""
-        logits = self.model.draft_logits(self.model.norm(hidden))
+        logits = self.model.draft_logits(self.model.norm(hidden), self.rows)
         if self.tree is not None:
             return logits.topk(width, dim=-1).indices, None
         if ctx.sampling.greedy:
