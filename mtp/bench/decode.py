@@ -218,6 +218,7 @@ def _bare_forward_ms(model, batch: int, t: int, cache_len: int, repeat: int) -> 
     """Median ms of the verify forward alone (trunk, head 1, unembedding) over t tokens per row
     at `cache_len` cached tokens: what the hardware charges for a round's forward."""
     from mtp.decoding.engine import chain_mask, forward, new_cache
+    from mtp.decoding.packed import packed_linears
 
     device = next(model.parameters()).device
     cache = new_cache(model, batch, cache_len + t)
@@ -229,8 +230,9 @@ def _bare_forward_ms(model, batch: int, t: int, cache_len: int, repeat: int) -> 
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        hidden, _ = forward(model, cache, tokens, positions, chain_mask(cache.lengths, t))
-        model.unembed(hidden).argmax(-1).tolist()
+        with packed_linears(model):  # as `generate` runs it
+            hidden, _ = forward(model, cache, tokens, positions, chain_mask(cache.lengths, t))
+            model.unembed(hidden).argmax(-1).tolist()
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)

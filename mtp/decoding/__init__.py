@@ -21,10 +21,11 @@ from mtp.config import DECODERS
 from mtp.decoding.chain import ChainHeads
 from mtp.decoding.drafters import Drafter, DraftModel, HeadChain, HeadTree, Oracle
 from mtp.decoding.engine import Context, new_cache, run
+from mtp.decoding.packed import packed_linears
 from mtp.decoding.policy import Adaptive, Fixed
 from mtp.decoding.sampling import Sampling, probs_from_logits, sample_from_logits
 from mtp.decoding.stats import PHASES, DecodeStats, Timer
-from mtp.decoding.stopper import Stopper
+from mtp.decoding.stopper import Stop, Stopper
 from mtp.decoding.tree import Tree, head_accuracy
 from mtp.model import MTPTransformer
 
@@ -96,7 +97,7 @@ def _problems(model, prompts, decoder, *, max_new_tokens, temperature, top_k, to
     if top_p is not None and not 0 < top_p <= 1:
         problems.append(f"top_p must be in (0, 1] (got {top_p})")
     if stop and decode is None:
-        problems.append("stop strings need a `decode` function (token ids -> text)")
+        problems.append("stops need a `decode` function (token ids -> text)")
     return problems
 
 
@@ -117,7 +118,7 @@ def generate(
     adaptive: bool | Adaptive = False,
     reference: Sequence[Sequence[int]] | None = None,
     eot_id: int | None = None,
-    stop: Sequence[str] = (),
+    stop: Sequence[Stop] = (),
     decode: Callable[[list[int]], str] | None = None,
     generator: torch.Generator | None = None,
     on_tokens: Callable[[int, list[int], int], None] | None = None,
@@ -145,7 +146,8 @@ def generate(
             `Adaptive` to many calls to keep what it measured from call to call.
         reference: each row's continuation for `oracle` (e.g. greedy's output).
         eot_id: end-of-text token; a row stops after emitting it.
-        stop: strings that end a row once its new text contains one (needs `decode`).
+        stop: strings that end a row once its new text contains one, or predicates that end it
+            once they hold of its new text and stay true as it grows (needs `decode`).
         decode: token ids -> text, for stop strings.
         generator: random generator for sampling (seed it for reproducible samples).
         on_tokens: called as on_tokens(row, tokens, drafted) whenever a row's tokens are
@@ -217,7 +219,8 @@ def generate(
         policy = adaptive
     else:
         policy = Adaptive() if adaptive else Fixed()
-    run(ctx, prompts, drafter, policy)
+    with packed_linears(model, draft_model):
+        run(ctx, prompts, drafter, policy)
     stats.seconds = time.perf_counter() - start
     return ctx.stopper.out, stats
 
