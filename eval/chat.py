@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
 
-__all__ = ["ChatTemplate", "extract_code"]
+__all__ = ["ChatTemplate", "code_closed", "extract_code"]
 
 
 def _raise_exception(message: str):
@@ -104,6 +104,19 @@ def extract_code(answer: str) -> str:
     A fence indented by n spaces (inside a list item) has up to n spaces taken off each of its
     lines, as Markdown reads it.
     """
+    code, _ = _first_block(answer)
+    return answer if code is None else code
+
+
+def code_closed(answer: str) -> bool:
+    """Whether the answer's code is final: its first fenced Python block has closed, so no later
+    text changes what :func:`extract_code` returns. The chat formats stop decoding there."""
+    return _first_block(answer)[1]
+
+
+def _first_block(answer: str) -> tuple[str | None, bool]:
+    """(code of the first Python or language-less fenced block, whether its fence closed);
+    (None, False) where no such block opened."""
     lines = answer.splitlines(keepends=True)
     opened: tuple[int, str, int] | None = None  # (line, language, indent) of an open fence
     for i, line in enumerate(lines):
@@ -115,11 +128,12 @@ def extract_code(answer: str) -> str:
             continue
         start, language, indent = opened
         if language in _PYTHON:
-            return _unindent(lines[start + 1 : i], indent)
+            # A closing fence on the last line is final only once its line has ended.
+            return _unindent(lines[start + 1 : i], indent), line.endswith("\n")
         opened = None
     if opened is not None and opened[1] in _PYTHON:
-        return _unindent(lines[opened[0] + 1 :], opened[2])
-    return answer
+        return _unindent(lines[opened[0] + 1 :], opened[2]), False
+    return None, False
 
 
 def _unindent(lines: list[str], n: int) -> str:

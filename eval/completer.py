@@ -6,6 +6,7 @@ import torch
 from mtp.eval.chat import ChatTemplate
 
 from mtp.decoding import DECODERS, DecodeStats, generate
+from mtp.decoding.stopper import Stop
 from mtp.model import MTPTransformer
 
 __all__ = ["ModelCompleter", "load_completer"]
@@ -51,10 +52,11 @@ class ModelCompleter:
         max_new_tokens: int,
         temperature: float,
         top_p: float,
-        stop: list[str],
+        stop: list[Stop],
         seed: int | None,
     ) -> list[str]:
-        """Continue each prompt; each text ends before its first stop string or end-of-text.
+        """Continue each prompt; each text ends before its first stop string, or where a stop
+        predicate first held, or at end-of-text.
 
         `greedy` and `sample` follow the temperature (0: greedy); speculative decoders sample
         exactly when temperature > 0. Prompts are decoded `batch_size` at a time, and the same
@@ -86,7 +88,8 @@ class ModelCompleter:
             self.stats.add(stats)
             for t in tokens:
                 text = self._decode(t)
-                cut = min((text.find(s) for s in stop if s in text), default=len(text))
+                cut = min((text.find(s) for s in stop if isinstance(s, str) and s in text),
+                          default=len(text))
                 out.append(text[:cut])
         return out
 

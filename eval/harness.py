@@ -64,10 +64,11 @@ class Completer(Protocol):
         temperature: float,
         top_p: float,
         max_new_tokens: int,
-        stop: list[str],
+        stop: list[str | Callable[[str], bool]],
         seed: int | None,
     ) -> list[str]:
-        """Return one continuation per prompt (without the prompt); may stop early at ``stop``."""
+        """Return one continuation per prompt (without the prompt); may stop early at ``stop``
+        (strings, or predicates on the continuation)."""
         ...
 
 

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import re
 import textwrap
+from collections.abc import Callable
 
-from mtp.eval.chat import ChatTemplate, extract_code
+from mtp.eval.chat import ChatTemplate, code_closed, extract_code
 from mtp.eval.data import Benchmark, Task
 
 __all__ = ["PROMPT_FORMATS", "build_prompt", "chat_request", "extract", "is_chat",
@@ -103,9 +104,12 @@ def build_prompt(task: Task, fmt: str, shots: list[Task] | None = None,
     return f"{examples}{_austin_block(task)}[BEGIN]\n"
 
 
-def stop_sequences(fmt: str) -> list[str]:
-    """Stop strings for the decoder under a prompt format (none for a chat: its answer ends at
-    the model's end-of-text token, and the code is cut out of it afterwards)."""
+def stop_sequences(fmt: str) -> list[str | Callable[[str], bool]]:
+    """Stops for the decoder under a prompt format: strings where the completion ends, or for a
+    chat the point where its answer's code is final (:func:`mtp.eval.chat.code_closed`; the prose
+    after a closed code block is never read)."""
+    if is_chat(fmt):
+        return [code_closed]
     return list({"humaneval-0shot": _HUMANEVAL_STOP, "mbpp-0shot": _MBPP_0SHOT_STOP,
                  "mbpp-3shot": _MBPP_3SHOT_STOP}.get(fmt, ()))
 

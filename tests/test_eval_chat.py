@@ -11,7 +11,7 @@ from pathlib import Path
 import jinja2
 import pytest
 import torch
-from mtp.eval.chat import ChatTemplate, extract_code
+from mtp.eval.chat import ChatTemplate, code_closed, extract_code
 from mtp.eval.data import Benchmark, load_benchmark
 from mtp.eval.harness import GenerationConfig, evaluate_completions
 from mtp.eval.prompts import build_prompt, chat_request, extract, stop_sequences
@@ -84,7 +84,7 @@ def test_smollm2_prompt_equals_transformers_apply_chat_template(humaneval, mbpp)
     mbpp_prompt = build_prompt(mbpp.tasks[0], "mbpp-chat", chat=chat)
     assert mbpp.tasks[0].prompt in mbpp_prompt
     assert all(a in mbpp_prompt for a in mbpp.tasks[0].examples)
-    assert stop_sequences("humaneval-chat") == stop_sequences("mbpp-chat") == []
+    assert stop_sequences("humaneval-chat") == stop_sequences("mbpp-chat") == [code_closed]
 
 
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
@@ -128,6 +128,40 @@ def test_extract_code(answer, code):
     assert extract_code(answer) == code
 
 
+@pytest.mark.parametrize("answer, closed_at", [
+    (f"Here it is:\n```python\n{CODE}```\nIt adds one.\n```python\nf(1)\n```\n",
+     f"Here it is:\n```python\n{CODE}```\n"),
+    (f"```\n{CODE}```", None),  # the closing line never ended
+    (f"Run:\n```bash\npython f.py\n```\nwith\n```py\n{CODE}```\n", None),
+    (CODE, None),
+    (f"Sure.\n```python\n{CODE}", None),
+], ids=["python-then-prose", "unended-fence-line", "other-language-first", "no-fence", "unclosed"])
+def test_code_closed_holds_from_where_the_code_is_final(answer, closed_at):
+    """The chat formats stop decoding where `code_closed` first holds: from there on no text can
+    change the extracted code, so stopping there gives the code of the whole answer."""
+    prefixes = [answer[:n] for n in range(len(answer) + 1)]
+    first = next((p for p in prefixes if code_closed(p)), None)
+    if closed_at is None:
+        assert first is None or first == answer
+    else:
+        assert first == closed_at
+        assert all(code_closed(p) for p in prefixes[len(first):])  # it stays closed
+        assert extract_code(first) == extract_code(answer) == CODE
+
+
+def test_a_stop_predicate_ends_a_row_at_the_token_that_meets_it():
+    from mtp.decoding.stopper import Stopper
+
+    heard = []
+    stopper = Stopper(1, 100, None, [lambda text: text.count("b") >= 2],
+                      decode=lambda ids: "".join(map(chr, ids)),
+                      on_tokens=lambda row, toks, drafted: heard.append(toks))
+    assert stopper.extend(0, [ord(c) for c in "abca"]) == (4, False)
+    assert stopper.extend(0, [ord(c) for c in "bcb"]) == (1, True)  # "abcab" meets it
+    assert "".join(map(chr, stopper.out[0])) == "abcab"
+    assert [len(t) for t in heard] == [4, 1]
+
+
 def test_humaneval_answer_that_defines_the_function_follows_the_prompt(humaneval):
     task = humaneval.tasks[0]  # `from typing import List` is in the prompt only
     code = ("def has_close_elements(numbers: List[float], threshold: float) -> bool:\n"
@@ -159,7 +193,7 @@ class ChatAnswers:
 
     def __init__(self, benchmark: Benchmark, chat: ChatTemplate, fmt: str, shapes: dict):
         self.code = {build_prompt(t, fmt, chat=chat): shapes[t.task_id](t) for t in benchmark.tasks}
-        self.stops: list[list[str]] = []
+        self.stops: list[list] = []
 
     def complete(self, prompts, *, temperature, top_p, max_new_tokens, stop, seed):
         self.stops.append(stop)
@@ -180,7 +214,7 @@ def test_reference_solutions_in_chat_answers_pass(tmp_path, humaneval, mbpp):
     summary = evaluate_completions(he, completer=fake, config=config, ks=[1],
                                    output_dir=tmp_path / "he", limits=LIMITS)
     assert summary["pass@1"] == 1.0 and summary["prompt_format"] == "humaneval-chat"
-    assert fake.stops == [[]]
+    assert fake.stops == [[code_closed]]
     records = [json.loads(line) for line in (tmp_path / "he" / "samples.jsonl").open()]
     assert len(records) == 3
     for r in records:

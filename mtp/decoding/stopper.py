@@ -1,18 +1,23 @@
-"""When a row ends: max new tokens, end-of-text, stop strings."""
+"""When a row ends: max new tokens, end-of-text, stop strings or stop conditions on the text."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-__all__ = ["Stopper"]
+__all__ = ["Stop", "Stopper"]
+
+#: A stop string, or a predicate on a row's new text that stays true as the text grows.
+Stop = str | Callable[[str], bool]
 
 
 class Stopper:
-    """Collects each row's new tokens and applies max_new_tokens, end-of-text and stop strings.
+    """Collects each row's new tokens and applies max_new_tokens, end-of-text and stops.
 
-    A row ends at the first token that completes a stop condition; that token is kept (the caller
-    cuts the text at the stop string). Stop strings are searched in the new text only: a prompt
-    ending in `def` must not stop on `\\ndef`.
+    A stop is a string, met when the new text contains it, or a predicate on the new text that,
+    once it holds, holds of every longer text (as containing a string does). A row
+    ends at the first token that meets a stop; that token is kept (the caller cuts the text at
+    the stop string). Stops see the new text only: a prompt ending in `def` must not stop on
+    `\\ndef`.
     """
 
     def __init__(
@@ -20,7 +25,7 @@ class Stopper:
         n_rows: int,
         max_new_tokens: int,
         eot_id: int | None,
-        stop: Sequence[str],
+        stop: Sequence[Stop],
         decode: Callable[[list[int]], str] | None,
         on_tokens: Callable[[int, list[int], int], None] | None,
     ) -> None:
@@ -45,7 +50,7 @@ class Stopper:
                 done = True
                 break
         if self.stop and self._stop_in(out):
-            # Find the first token whose text completes a stop string (earlier ones did not).
+            # Find the first token whose text meets a stop (earlier ones did not).
             k = next(k for k in range(start + 1, len(out) + 1) if self._stop_in(out[:k]))
             del out[k:]
             done = True
@@ -55,4 +60,4 @@ class Stopper:
 
     def _stop_in(self, tokens: list[int]) -> bool:
         text = self.decode(tokens)
-        return any(s in text for s in self.stop)
+        return any(s(text) if callable(s) else s in text for s in self.stop)
