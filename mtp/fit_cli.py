@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import warnings
 from pathlib import Path
 
@@ -33,6 +34,7 @@ from mtp.config import (
 from mtp.data import MTPDataModule, build_datamodule, unigram_entropy
 from mtp.fault import AtomicCheckpointIO, Interruptible
 from mtp.module import MTPModule, TokenizerInCheckpoint
+from mtp.loglines import StepLines
 from mtp.vocab import eot_id
 
 #: Trainer settings of the CPU default run (configs/cpu.yaml spells out the same values).
@@ -57,6 +59,8 @@ def add_run_arguments(parser: LightningArgumentParser) -> None:
     """The `trainer`, `model`, `data`, `optim`, `loss` and `compile` groups of `mtp fit`."""
     parser.add_lightning_class_args(Trainer, "trainer")
     parser.set_defaults({f"trainer.{k}": v for k, v in TRAINER_DEFAULTS.items()})
+    # a bar redraws in place: on a terminal only (elsewhere StepLines prints plain lines)
+    parser.set_defaults({"trainer.enable_progress_bar": sys.stdout.isatty()})
     parser.add_class_arguments(ModelConfig, "model")
     parser.add_class_arguments(DataConfig, "data")
     parser.add_class_arguments(OptimConfig, "optim")
@@ -72,13 +76,14 @@ def run_config(namespace) -> RunConfig:
 
 
 def default_callbacks(n_future: int, *, checkpoints: bool = True, logger: bool = True) -> list:
-    """Checkpoints (last and best next-token loss), learning rate, tokens per second and MFU;
+    """Checkpoints (last and best next-token loss), learning rate, tokens per second and MFU,
+    and plain progress lines where no progress bar is drawn on a terminal (`mtp.loglines`);
     without checkpointing (`--trainer.enable_checkpointing false`) no checkpoints, and without
     a logger (`--trainer.logger false`) nothing that only logs.
 
     MFU needs the device's peak FLOPs, which Lightning knows for GPUs and not for CPUs.
     """
-    callbacks = []
+    callbacks: list = [StepLines()]
     if checkpoints:
         callbacks.append(ModelCheckpoint(monitor="val/next_token_loss", mode="min",
                                          save_last=True, filename="best-{step}"))

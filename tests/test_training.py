@@ -2,6 +2,7 @@
 
 import json
 import logging
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -209,6 +210,15 @@ def test_mtp_fit_end_to_end(tiny_corpus, tmp_path, monkeypatch, capsys):
     assert code == 0
     out = capsys.readouterr().out
     assert "head 1: loss" in out and "head 2: loss" in out and "sample (temperature 0.7" in out
+    # no terminal: plain progress lines (mtp.loglines), every log_every_n_steps and at the end
+    lines = out.splitlines()
+    steps = [line for line in lines if re.match(r"step \d+/12  loss [\d.]+  heads [\d.]+ [\d.]+  "
+                                                r"lr \S+  [\d,]+ tok/s  [\d.]+ s/step  left \S+$",
+                                                line)]
+    assert [s.split()[1] for s in steps] == ["5/12", "10/12", "12/12"], lines
+    vals = [line for line in lines if line.startswith("validation at step ")]
+    assert len(vals) == 2 and vals[0].startswith("validation at step 6  next_token_loss ")
+    assert "loss_head2 " in vals[0] and "acc_head2 " in vals[0]
     run = tmp_path / "runs" / "mtp" / "version_0"
     assert (run / "config.yaml").is_file() and (run / "checkpoints" / "last.ckpt").is_file()
     assert yaml.safe_load((run / "config.yaml").read_text())["model"]["n_future"] == 2
