@@ -5,7 +5,10 @@ its chat template: code in a fence, prose around it. Medusa trains its heads on 
 own responses for that reason. The requests come from the Python standard library (each public
 function with a docstring becomes "write this function" with its signature and docstring), so
 nothing is downloaded and no benchmark task is among them; the model answers each greedily in
-batches. Every line of the output is ``{"text": prompt + answer, "request": ..., "finished":
+batches. `--style benchmark` words them as `mtp eval --prompt-format chat` asks the benchmarks'
+tasks (EvalPlus's request around the function's stub, or for every other function Austin et al.'s
+MBPP wording, its doctest examples as the asserts), so the heads learn the answers they will draft
+at evaluation. Every line of the output is ``{"text": prompt + answer, "request": ..., "finished":
 ...}``, the text as the model saw and wrote it, for `mtp fit --data.source FILE --data.text_field
 text` with `--loss.targets greedy` (where the text follows the model's greedy path, which is
 nearly everywhere in its own answers, every head learns the exact token speculation accepts).
@@ -25,14 +28,41 @@ import sys
 import sysconfig
 from pathlib import Path
 
-__all__ = ["main", "requests"]
+__all__ = ["STYLES", "main", "requests"]
 
 _REQUEST = "Write a Python function `{name}({args})` that does the following:\n\n{doc}"
+STYLES = ("write", "benchmark")
 
 
-def requests(root: Path, n: int, seed: int) -> list[str]:
-    """n requests, "write function f(args) that: docstring", from the public top-level
-    functions of the .py files under `root` that have a docstring, in a seeded random order."""
+def _benchmark_request(node: ast.FunctionDef, doc: str, mbpp: bool) -> str:
+    """The request in the words `mtp eval --prompt-format chat` uses for a benchmark's task:
+    HumanEval's (the stub to complete) or, with `mbpp`, MBPP's (the asserts from the docstring's
+    doctest examples, where it has any)."""
+    import doctest
+
+    from mtp.eval.data import Task
+    from mtp.eval.prompts import chat_request
+
+    examples = [e for e in doctest.DocTestParser().get_examples(doc)
+                if e.want.strip() and node.name in e.source and "\n" not in e.source.strip()]
+    if mbpp:
+        sentence = doc.strip().split("\n\n")[0].replace("\n", " ")
+        asserts = tuple(f"assert {e.source.strip()} == {e.want.strip()}" for e in examples[:3])
+        task = Task(task_id=node.name, prompt=f"Write a function {node.name}() that: {sentence}",
+                    entry_point=node.name, canonical_solution="", test="",
+                    completes_prompt=False, examples=asserts)
+    else:
+        body = "\n".join(f"    {line}" if line else "" for line in doc.strip().splitlines())
+        stub = f'def {node.name}({ast.unparse(node.args)}):\n    """{body.lstrip()}\n    """\n'
+        task = Task(task_id=node.name, prompt=stub, entry_point=node.name,
+                    canonical_solution="", test="", completes_prompt=True)
+    return chat_request(task)
+
+
+def requests(root: Path, n: int, seed: int, style: str = "write") -> list[str]:
+    """n requests from the public top-level functions of the .py files under `root` that have a
+    docstring, in a seeded random order: "write function f(args) that: docstring", or in
+    `benchmark` style the benchmarks' chat wording (`_benchmark_request`)."""
     found = []
     for path in sorted(root.rglob("*.py")):
         if any(part in ("test", "tests", "idlelib", "site-packages") for part in path.parts):
@@ -47,8 +77,11 @@ def requests(root: Path, n: int, seed: int) -> list[str]:
             doc = ast.get_docstring(node)
             if doc and len(doc) >= 40:
                 paragraph = doc.strip().split("\n\n")[0]
-                found.append(_REQUEST.format(name=node.name, args=ast.unparse(node.args),
-                                             doc=paragraph))
+                if style == "benchmark":
+                    found.append(_benchmark_request(node, doc, mbpp=len(found) % 2 == 1))
+                else:
+                    found.append(_REQUEST.format(name=node.name, args=ast.unparse(node.args),
+                                                 doc=paragraph))
     found = sorted(set(found))
     random.Random(seed).shuffle(found)
     return found[:n]
@@ -98,6 +131,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--max-new-tokens", type=int, default=256, help="longest answer, in tokens")
     p.add_argument("--batch-size", type=int, default=16, help="requests answered together")
     p.add_argument("--seed", type=int, default=0, help="order of the requests")
+    p.add_argument("--style", choices=STYLES, default="write",
+                   help="requests as 'write this function' with its docstring, or in the words "
+                        "mtp eval --prompt-format chat uses for HumanEval and MBPP tasks")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     args = p.parse_args(argv)
     for flag in ("requests", "max_new_tokens", "batch_size"):
@@ -106,7 +142,7 @@ def main(argv: list[str]) -> int:
     source = Path(args.source)
     if not source.is_dir():
         p.error(f"--source {source} is not a directory")
-    todo = requests(source, args.requests, args.seed)
+    todo = requests(source, args.requests, args.seed, args.style)
     if not todo:
         p.error(f"--source {source} has no documented public functions")
 

@@ -36,7 +36,11 @@ def short(x):
 
 
 def join_words(words, sep=" "):
-    """Join the words with the separator between each pair of them, in order."""
+    """Join the words with the separator between each pair of them, in order.
+
+    >>> join_words(["a", "b"], "-")
+    'a-b'
+    """
     return sep.join(words)
 
 
@@ -72,6 +76,30 @@ def test_requests_are_documented_public_functions(setup):
     assert all("More detail" not in r and "private" not in r and "Too short" not in r
                for r in got)
     assert requests(src, 2, seed=0) == got[:2]
+
+
+def test_benchmark_style_requests_are_worded_as_the_chat_formats(setup):
+    """`--style benchmark`: each request is what `mtp eval --prompt-format chat` would send for
+    a HumanEval task with the function's stub, or an MBPP task with its doctests as asserts."""
+    from mtp.eval.data import Task
+    from mtp.eval.prompts import chat_request
+
+    _, src, _, _ = setup
+    got = requests(src, 10, seed=0, style="benchmark")
+    assert len(got) == 4 and got == requests(src, 10, seed=0, style="benchmark")
+    humaneval = [r for r in got if r.startswith("Please provide a self-contained Python script")]
+    mbpp = [r for r in got if r.startswith("You are an expert Python programmer")]
+    assert len(humaneval) == len(mbpp) == 2
+    stub = Task("add", 'def add(a, b=1):\n    """Return the sum of a and b, which must both be '
+                'numbers of any kind.\n\n    More detail that the request leaves out.\n    """\n',
+                "add", "", "", completes_prompt=True)
+    mul = stub.prompt.replace("add", "mul").replace("sum", "product")
+    assert set(humaneval) == {chat_request(stub), chat_request(Task("mul", mul, "mul", "", "",
+                                                                      True))}
+    join = Task("join_words", "Write a function join_words() that: Join the words with the "
+                "separator between each pair of them, in order.", "join_words", "", "", False,
+                examples=("assert join_words([\"a\", \"b\"], \"-\") == 'a-b'",))
+    assert chat_request(join) in mbpp
 
 
 def test_answers_are_the_greedy_continuations_and_a_rerun_resumes(setup):
