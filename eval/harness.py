@@ -532,12 +532,27 @@ def evaluate_completions(
     summary = summarize(benchmark, results, ks, settings=settings or {}, isolation=isolation,
                         prompt_format=fmt, wall_time=time.monotonic() - start,
                         execution=execution.describe(tasks))
+    generation = _generation(completer)
+    if generation is not None:
+        summary["generation"] = generation
     if output_dir is not None:
         path = Path(output_dir) / "summary.json"
         tmp = path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(summary, indent=2) + "\n")
         os.replace(tmp, path)  # a crash never leaves half a summary
     return summary
+
+
+def _generation(completer: Completer | None) -> dict | None:
+    """What decoding the new samples of this run took, from a completer that keeps decoding
+    statistics (`mtp.eval.completer.ModelCompleter.stats`); None for any other."""
+    stats = getattr(completer, "stats", None)
+    if stats is None or not stats.tokens:
+        return None
+    return {"seconds": round(stats.seconds, 2), "new_tokens": stats.tokens,
+            "ms_per_token": round(stats.ms_per_token, 3),
+            "tokens_per_forward": round(stats.tokens_per_forward, 4),
+            "acceptance": [None if a != a else round(a, 4) for a in stats.acceptance]}
 
 
 def _prepare(tasks: list[Task], limits: Limits, policy: TimePolicy | None, isolation: Isolation,

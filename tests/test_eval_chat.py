@@ -263,7 +263,12 @@ def test_format_is_recorded_and_another_format_refused(tmp_path, capsys):
     args = ["eval", "humaneval", "--ckpt", ckpt, "--limit", "1", "--max-new-tokens", "4",
             "--k", "1", "--output", str(out)]
     assert main([*args, "--prompt-format", "chat"]) == 0
-    assert json.loads((out / "summary.json").read_text())["prompt_format"] == "humaneval-chat"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["prompt_format"] == "humaneval-chat"
+    # what decoding took: the 1..4 new tokens of the one sample, one per forward (greedy)
+    gen = summary["generation"]
+    assert 1 <= gen["new_tokens"] <= 4 and gen["tokens_per_forward"] == 1.0
+    assert gen["seconds"] > 0 and gen["ms_per_token"] > 0 and gen["acceptance"] == []
     assert json.loads((out / "provenance.json").read_text())["--prompt-format"] == "chat"
     (record,) = [json.loads(line) for line in (out / "samples.jsonl").open()]
     assert {"answer", "completion"} <= set(record)
