@@ -159,9 +159,11 @@ def main(argv: list[str] | None = None) -> int:
     """Run ``mtp eval``; returns the exit status (2 on bad input)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    from mtp.config import UserError
+
     try:
         return _run(args)
-    except DataError as e:
+    except (DataError, UserError) as e:
         print(f"mtp eval: error: {e}", file=sys.stderr)
         return 2
 
@@ -172,11 +174,35 @@ def _check_ks(ks: list[int], n: int, what: str) -> None:
                         f"and {what} is {n}")
 
 
+def _note_context_window(completer, max_new_tokens: int) -> None:
+    """Say how many completions the context window shaped: prompts cut to their end to fit,
+    generation stopped at the window before --max-new-tokens."""
+    window = completer.model.cfg.max_seq_len
+    if completer.prompts_cut:
+        print(f"mtp eval: note: {completer.prompts_cut} of {completer.rows} completions continue "
+              f"a prompt cut to its last tokens, to fit the context window (--model.max_seq_len "
+              f"{window}) with --max-new-tokens {max_new_tokens}", file=sys.stderr)
+    if completer.at_window:
+        print(f"mtp eval: note: {completer.at_window} of {completer.rows} completions stopped "
+              f"at the context window ({window} tokens) before --max-new-tokens "
+              f"{max_new_tokens}", file=sys.stderr)
+
+
 def _run(args: argparse.Namespace) -> int:
     name = benchmark_name(args)
     for flag, path in (("--ckpt", args.ckpt), ("--draft-ckpt", args.draft_ckpt)):
         if path is not None and not Path(path).exists():
             raise DataError(f"{flag} {path} does not exist")
+        if path is not None and Path(path).is_dir():
+            from mtp.hf import MTP_CONFIG, is_export
+
+            if not is_export(path):
+                raise DataError(f"{flag} {path} is a directory but not an mtp export (no "
+                                f"{MTP_CONFIG}; `mtp export hf` writes one); pass a checkpoint "
+                                "file of `mtp fit` or an export directory")
+    if args.output is not None and args.output.exists() and not args.output.is_dir():
+        raise DataError(f"--output {args.output} is a file; it must be a directory (it gets "
+                        "samples.jsonl and summary.json)")
     benchmark = load_benchmark(name, args.data_file)
     all_ids = [t.task_id for t in benchmark.tasks]
     decoder = None
@@ -231,6 +257,7 @@ def _run(args: argparse.Namespace) -> int:
                                 "--prompt-format")
             config = dataclasses.replace(config, chat_template=completer.chat_template)
         summary = evaluate_completions(benchmark, completer=completer, config=config, **common)
+        _note_context_window(completer, args.max_new_tokens)
     print_table(summary)
     if args.output is None:
         print(json.dumps({k: v for k, v in summary.items() if k.startswith("pass@")}))

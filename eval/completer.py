@@ -33,6 +33,8 @@ class ModelCompleter:
         self.decode_kwargs = decode_kwargs
         self.eot_id = eot_id(tokenizer, model.cfg)
         self.stats = DecodeStats()
+        # completions made, and of them: from a prompt cut to fit, stopped by the window
+        self.rows = self.prompts_cut = self.at_window = 0
 
     @property
     def chat_template(self) -> ChatTemplate | None:
@@ -77,6 +79,8 @@ class ModelCompleter:
             # An over-long prompt keeps its end (the completion continues from there), leaving
             # room for the new tokens in the context window.
             room = max(window - max_new_tokens, window // 2)
+            self.rows += len(ids)
+            self.prompts_cut += sum(len(x) > room for x in ids)
             ids = [x[-room:] for x in ids]
             tokens, stats = generate(
                 self.model, ids, max_new_tokens, decoder=decoder,
@@ -86,6 +90,7 @@ class ModelCompleter:
                 decode=self._decode, generator=generator, **self.decode_kwargs,
             )
             self.stats.add(stats)
+            self.at_window += sum(len(x) + len(t) >= window for x, t in zip(ids, tokens))
             for t in tokens:
                 text = self._decode(t)
                 cut = min((text.find(s) for s in stop if isinstance(s, str) and s in text),

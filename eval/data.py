@@ -90,12 +90,18 @@ def read_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
     """Yield ``(line number, object)`` for each non-blank line of a JSONL file (``.gz`` too).
 
     Raises:
-        DataError: On a line that is not a JSON object, naming the file and the line.
+        DataError: On a line that is not UTF-8 or not a JSON object, naming the file and the
+            line.
     """
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with opener(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:  # line by line, so that an error can name the line
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{lineno}: not UTF-8 (byte {e.start + 1} of the line "
+                                f"is {raw[e.start]:#04x})") from None
             if not line.strip():
                 continue
             try:

@@ -78,6 +78,8 @@ def check_or_record(output_dir: str | os.PathLike, produced: dict, *, fresh: boo
             and `fresh` is false.
     """
     out = Path(output_dir)
+    if out.exists() and not out.is_dir():
+        raise DataError(f"--output {out} is a file; it must be a directory")
     record = out / PROVENANCE
     results = [out / name for name in RESULTS if (out / name).exists()]
     if record.is_file():
@@ -106,7 +108,10 @@ def check_or_record(output_dir: str | os.PathLike, produced: dict, *, fresh: boo
         moved.mkdir()
         for p in [*results, *([record] if record.exists() else [])]:
             os.replace(p, moved / p.name)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # a file where a folder of the path should be, no permission ...
+        raise DataError(f"--output {out}: cannot create it ({err.strerror})") from None
     tmp = record.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(produced, indent=2, sort_keys=True) + "\n")
     os.replace(tmp, record)

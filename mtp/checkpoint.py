@@ -2,12 +2,16 @@
 
 A checkpoint is a Lightning checkpoint whose `state_dict` holds the model under the `model.`
 prefix and whose `mtp` entry carries what inference needs: the model config and the tokenizer
-(as its JSON string), so a checkpoint alone is enough to generate or evaluate.
+(as its JSON string), so a checkpoint alone is enough to generate or evaluate; and a sha256 of
+each tensor of `state_dict`, checked on load, since torch checks no checksum of its zip members
+(bytes flipped inside a tensor would otherwise load, and decode, silently). A checkpoint
+written before the digests loads unchecked.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 from pathlib import Path
 
@@ -23,9 +27,41 @@ EOT_TOKEN = ModelConfig.eot_token
 STATE_PREFIX = "model."
 
 
+#: The key, in a checkpoint's `mtp` entry, of the sha256 of each tensor of its `state_dict`.
+DIGESTS = "tensors_sha256"
+
+
 def mtp_metadata(cfg: ModelConfig, tokenizer: Tokenizer) -> dict:
-    """The `mtp` entry of a checkpoint."""
+    """The `mtp` entry of a checkpoint (without the digests of its tensors)."""
     return {"model_config": dataclasses.asdict(cfg), "tokenizer": tokenizer.to_str()}
+
+
+def _sha256(t: torch.Tensor) -> str:
+    h = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode())
+    data = t.detach().reshape(-1).contiguous().cpu()
+    h.update(data.view(torch.uint8).numpy())  # the bytes as stored, read in place (mmap too)
+    return h.hexdigest()
+
+
+def tensor_digests(state: dict) -> dict[str, str]:
+    """The sha256 of each tensor of a state dict (its dtype, shape and bytes), by name."""
+    return {k: _sha256(v) for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+def check_tensor_digests(ckpt: dict, path: str | os.PathLike) -> None:
+    """Raise, naming the file and the tensors, if a checkpoint's tensors differ from the
+    digests it records (a checkpoint without digests passes: it was written before them)."""
+    want = ckpt.get("mtp", {}).get(DIGESTS)
+    if want is None or "state_dict" not in ckpt:  # (FSDP's loader takes it out, checked then)
+        return
+    got = tensor_digests(ckpt["state_dict"])
+    bad = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
+    if bad:
+        shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+        which = f"tensor {shown} does" if len(bad) == 1 else f"tensors {shown} do"
+        raise InputError(f"checkpoint {path} is corrupted: {which} not match the sha256 it "
+                         f"records ({DIGESTS}); the file changed after it was written (disk, "
+                         "copy or download): use an intact copy")
 
 
 def save_checkpoint(path: str | os.PathLike, model: MTPTransformer, tokenizer: Tokenizer) -> None:
@@ -36,7 +72,8 @@ def save_checkpoint(path: str | os.PathLike, model: MTPTransformer, tokenizer: T
     path = Path(path)
     state = {STATE_PREFIX + k: v for k, v in model.state_dict().items()}
     tmp = path.with_name(path.name + ".tmp")
-    torch.save({"state_dict": state, "mtp": mtp_metadata(model.cfg, tokenizer)}, tmp)
+    meta = {**mtp_metadata(model.cfg, tokenizer), DIGESTS: tensor_digests(state)}
+    torch.save({"state_dict": state, "mtp": meta}, tmp)
     os.replace(tmp, path)
 
 
@@ -46,9 +83,19 @@ def read_checkpoint(path: str | os.PathLike, *, mmap: bool = False) -> dict:
 
     Raises:
         MissingInput: If the file does not exist.
-        InputError: If torch cannot read it, or it is not a checkpoint of `mtp fit`.
+        InputError: If it is a directory (an export, say), torch cannot read it, or it is not a
+            checkpoint of `mtp fit`.
     """
     path = Path(path)
+    if path.is_dir():
+        from mtp.hf import MTP_CONFIG, is_export
+
+        if is_export(path):
+            raise InputError(f"{path} is an export directory (`mtp export hf`): its weights "
+                             "generate and evaluate, but it holds no optimiser state or step "
+                             "to resume training from; pass a .ckpt file of `mtp fit`")
+        raise InputError(f"{path} is a directory, neither a checkpoint file nor an mtp export "
+                         f"(no {MTP_CONFIG})")
     if not path.is_file():
         raise MissingInput(f"checkpoint {path} does not exist")
     try:
@@ -69,9 +116,12 @@ def load_checkpoint(
     directory written by `mtp export hf` (`mtp.hf.load_export`)."""
     path = Path(path)
     if path.is_dir():
-        from mtp.hf import load_export
+        from mtp.hf import ExportError, load_export
 
-        model, tokenizer = load_export(path)
+        try:
+            model, tokenizer = load_export(path)
+        except ExportError as err:  # names the directory: a user's input, not a bug
+            raise InputError(str(err)) from None
         return model.to(device), tokenizer
     ckpt = read_checkpoint(path)
     cfg = ModelConfig(**ckpt["mtp"]["model_config"])
@@ -81,6 +131,7 @@ def load_checkpoint(
              if k.startswith(STATE_PREFIX)}
     model.load_state_dict(state)
     check_vocab(tokenizer, cfg, source=str(path))
+    check_tensor_digests(ckpt, path)  # last: a wrong shape or vocabulary says more
     return model.to(device).eval(), tokenizer
 
 

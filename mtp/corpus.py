@@ -9,10 +9,10 @@ any record; a hash of each document's name puts it in the training or the valida
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import logging
 import os
+import stat
 import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -67,15 +67,51 @@ class SourceSpec:
 
 def _stdlib_files() -> list[Path]:
     root = Path(sysconfig.get_paths()["stdlib"])
-    return [p for p in sorted(root.rglob("*.py")) if "site-packages" not in p.parts]
+    return _regular_once(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
+
+
+def _regular_once(paths) -> list[Path]:
+    """The regular files among `paths` (a link to one counts; a pipe, socket or device never
+    does: reading one can block for ever), each file once by its resolved path, in path order.
+
+    A file reached under several names keeps the name that passes no link, if one of them
+    does, else the first in path order: adding a link never renames a document.
+    """
+    names: dict[Path, list[Path]] = {}
+    for p in paths:
+        if p.is_file():
+            names.setdefault(p.resolve(), []).append(p)
+    return sorted(min(found, key=lambda p: (p.absolute() != real, p))
+                  for real, found in names.items())
+
+
+def _glob(pattern: str) -> list[Path]:
+    """The paths a glob matches, as `glob.glob(pattern, recursive=True)` gives them but never
+    through a link to a folder at a `**`: with `corpus/loop -> .` that glob lists every file once
+    per level of `loop/loop/...` (and `corpus/up -> ../corpus` without end), where this lists
+    each name at most once per link a single `*` component passes.
+
+    Names starting with `.` match only a pattern component starting with `.`, as in `glob`.
+    """
+    parts = Path(os.path.expanduser(pattern)).parts
+    first = next(i for i, part in enumerate(parts) if any(c in part for c in "*?["))
+    base = Path(*parts[:first]) if first else Path(".")
+    rest = list(parts[first:])
+    if rest[-1] == "**":  # glob's `x/**` matches the files below x too
+        rest.append("*")
+    hidden_ok = any(part.startswith(".") for part in rest)
+    # pathlib's `**` does not follow links to folders (3.13 on: unless asked to); a test holds
+    # it to that on the Python in use
+    return [p for p in base.glob("/".join(rest))
+            if hidden_ok or not any(q.startswith(".") for q in p.relative_to(base).parts)]
 
 
 def _local_files(source: str) -> list[Path]:
     path = Path(source).expanduser()
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file())
+    if path.is_dir():  # rglob does not follow links to folders
+        files = _regular_once(path.rglob("*"))
     elif any(c in source for c in "*?["):
-        files = sorted(Path(p) for p in glob.glob(os.path.expanduser(source), recursive=True))
+        files = _regular_once(_glob(source))
     else:
         files = [path] if path.is_file() else []
     files = [p.absolute() for p in files if p.suffix in TEXT_SUFFIXES or p.suffix in TABLE_SUFFIXES]
@@ -151,11 +187,24 @@ def _is_val(name: str, val_fraction: float) -> bool:
 
 
 def _read_text(path: Path) -> str | None:
+    """A text file's contents; None for one that cannot be read, is not UTF-8, holds a NUL byte
+    (binary, not text: warned, naming it) or is no longer a regular file (a pipe put in its
+    place is not waited on)."""
     try:
-        return path.read_text(encoding="utf-8")
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        with open(fd, encoding="utf-8") as f:  # universal newlines, as `Path.read_text`
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                log.warning("skipping %s: not a regular file", path)
+                return None
+            text = f.read()
     except (OSError, UnicodeDecodeError) as err:
         log.debug("skipping %s: %s", path, err)
         return None
+    if "\0" in text:
+        log.warning("skipping %s: it holds NUL bytes, so it is binary, not a text document",
+                    path)
+        return None
+    return text
 
 
 def _as_text(value: object) -> str:
@@ -223,7 +272,7 @@ class _Reader:
     """The non-empty documents of a source in reading order, resumable at any record.
 
     `record` (records consumed), `docs_read` (readable records, for max_documents) and `skipped`
-    (unreadable or non-UTF-8 files) are up to date whenever a document is yielded.
+    (unreadable, non-UTF-8 or binary files) are up to date whenever a document is yielded.
     """
 
     def __init__(self, spec: SourceSpec, record: int = 0, docs_read: int = 0,
@@ -254,13 +303,13 @@ class Corpus:
     train: list[str]
     val: list[str]
     skipped: int = 0
-    """Files that could not be read or were not UTF-8."""
+    """Files that could not be read, were not UTF-8 or were binary (held a NUL byte)."""
 
 
 def _check_split_sizes(spec: SourceSpec, n_train: int, n_val: int, skipped: int) -> None:
     if n_train + n_val == 0:
         raise InputError(f"{spec.label} holds no non-empty documents "
-                         f"({skipped} files skipped as unreadable or not UTF-8)")
+                         f"({skipped} files skipped as unreadable, not UTF-8 or binary)")
     # a tiny corpus with nothing held out gives its last training document to validation
     if n_train - (n_val == 0) < 1:
         raise InputError(f"{spec.label} has too few documents to split into train and "

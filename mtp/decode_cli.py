@@ -269,6 +269,12 @@ def generate_main(argv: list[str]) -> int:
     stream.finish(out[0])
     if stream.legend():
         print(stream.legend())
+    if draft is not None and args.decoder == "draft":  # the draft model's window binds too
+        window = min(window, draft.cfg.max_seq_len)
+    if len(out[0]) < args.max_new_tokens and len(ids) + len(out[0]) >= window:
+        print(f"note: stopped at the context window (--model.max_seq_len {window}): "
+              f"{len(out[0])} of --max-new-tokens {args.max_new_tokens} new tokens after "
+              f"{len(ids)} of the prompt", file=sys.stderr)
     print(f"[{args.decoder}] {summary(stats)}")
     compare = args.compare or ("none" if args.decoder == "greedy" else "greedy")
     if compare == "greedy":

@@ -10,7 +10,12 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
-from mtp.checkpoint import check_checkpoint_config
+from mtp.checkpoint import (
+    DIGESTS,
+    check_checkpoint_config,
+    check_tensor_digests,
+    tensor_digests,
+)
 from mtp.config import CompileConfig, ConfigError, LossConfig, ModelConfig, OptimConfig
 from mtp.frozen import FrozenTrunk, heads_loss
 from mtp.loss import (
@@ -19,6 +24,7 @@ from mtp.loss import (
     mtp_inputs_targets,
     mtp_loss,
     scheduled_head_weights,
+    simulated_acceptance,
     targets_from_predictions,
 )
 from mtp.model import MTPTransformer, build_model
@@ -104,6 +110,12 @@ class MTPModule(L.LightningModule):
         # head 1 is the next-token loss, the number comparable across K and with other models
         self.log("val/next_token_loss", out.head_losses[0], prog_bar=True, sync_dist=True)
         self._log_heads("val", out, sync_dist=True)
+        if self.model_cfg.n_future > 1:
+            # what the heads are worth for decoding, read without decoding (mtp.loss)
+            rates = simulated_acceptance(self.model, batch)
+            self.log_dict({f"val/sim_accept_draft{d}": r for d, r in enumerate(rates, 1)},
+                          sync_dist=True)
+            self.log("val/sim_tokens_per_forward", 1 + rates.sum(), sync_dist=True)
 
     def setup(self, stage: str) -> None:
         """The draft vocabulary (`--model.draft_vocab`): the most frequent tokens of the
@@ -155,8 +167,9 @@ class MTPModule(L.LightningModule):
                                       fused=None)
         total = o.decay_steps or self.trainer.max_steps
         if total is None or total < 1:
-            raise ValueError("set --trainer.max_steps or --optim.decay_steps: the cosine "
-                             "schedule needs a length")
+            raise ConfigError(f"--trainer.max_steps {self.trainer.max_steps} gives the cosine "
+                              "schedule no length: set --trainer.max_steps >= 1 or "
+                              "--optim.decay_steps")
         schedule = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: lr_factor(step, o.warmup_steps, total, o.min_lr_ratio))
         return {"optimizer": optimizer,
@@ -184,10 +197,13 @@ class MTPModule(L.LightningModule):
 
     # -- checkpoints carry what inference needs (the tokenizer: `TokenizerInCheckpoint`) -----
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint.setdefault("mtp", {})["model_config"] = dataclasses.asdict(self.model_cfg)
+        mtp = checkpoint.setdefault("mtp", {})
+        mtp["model_config"] = dataclasses.asdict(self.model_cfg)
+        mtp[DIGESTS] = tensor_digests(checkpoint["state_dict"])
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         check_checkpoint_config(checkpoint, self.model_cfg)
+        check_tensor_digests(checkpoint, self.trainer.ckpt_path if self._trainer else "")
         saved = checkpoint.get("hyper_parameters", {}).get("optim", {})
         ours = dataclasses.asdict(self.optim_cfg)
         if "train" in saved and saved["train"] != ours["train"]:

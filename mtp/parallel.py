@@ -100,12 +100,13 @@ class FSDPStrategy(ModelParallelStrategy):
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict:
         # The model's config is checked before the weights are loaded: a checkpoint of another
         # config would otherwise fail inside the state-dict loading, on a tensor shape.
-        from mtp.checkpoint import check_checkpoint_config
+        from mtp.checkpoint import check_checkpoint_config, check_tensor_digests
 
         path = Path(checkpoint_path)
         if path.is_file():
             meta = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
             check_checkpoint_config(meta, self.lightning_module.model_cfg)
+            check_tensor_digests(meta, path)  # the loader below takes the weights out unchecked
         return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 
 

@@ -319,6 +319,7 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     configs += [_Config(f"transformers {d}", d, library="transformers") for d in hf_decoders]
 
     batches = [prompts[i : i + args.batch_size] for i in range(0, len(prompts), args.batch_size)]
+    batch_size = max(map(len, batches), default=0)  # as run: fewer prompts make a smaller one
     gen = torch.Generator(device=args.device)
 
     def run(c: _Config, batch: list[list[int]], reference, seed: int):
@@ -333,7 +334,7 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         for c in configs:
             run(c, batch, ref, 0)
     print(f"{len(configs)} decoders x {len(prompts)} prompts, {args.max_new_tokens} new tokens, "
-          f"batch size {args.batch_size}, {args.repeat} repeats, {args.device}")
+          f"batch size {batch_size}, {args.repeat} repeats, {args.device}")
     from tqdm import tqdm
 
     bare: dict[tuple[int, int], list[float]] = {}
@@ -369,7 +370,7 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         "prompts": f"{args.prompts} ({len(prompts)})",
         "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature or 0.0,
-        "batch_size": args.batch_size,
+        "batch_size": batch_size,
         "repeat": args.repeat,
     }
     if hf is not None:
