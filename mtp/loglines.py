@@ -6,7 +6,7 @@ every `--trainer.log_every_n_steps` steps and at least once a minute, and one af
 validation::
 
     step 40/288  loss 1.962  heads 1.58 2.36 2.87  lr 1.00e-03  1,032 tok/s  3.9 s/step  left 16m07s
-    validation at step 96  next_token_loss 1.211  loss_head2 1.580  acc_head2 0.670 ...
+    validation at step 96  next_token_loss 1.211  sim_tokens_per_forward 2.012  loss_head2 1.580 ...
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ class StepLines(Callback):
         if not self.active or trainer.sanity_checking:
             return
         metrics = trainer.callback_metrics
-        names = ["val/next_token_loss"] + sorted(
+        names = ["val/next_token_loss", "val/sim_tokens_per_forward"] + sorted(
             (k for k in metrics if (m := _HEAD.match(k)) and m[1] == "val"),
             key=lambda k: (int(_HEAD.match(k)[3]), k))
         parts = [f"validation at step {trainer.global_step}"]

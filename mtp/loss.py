@@ -429,3 +429,36 @@ def top1_accuracy(z: torch.Tensor, W: torch.Tensor, t: torch.Tensor,
         pred = (z[a:a + chunk] @ W.T).argmax(-1)  # (chunk,)
         hits += (pred == t[a:a + chunk]).sum()  # an ignored target (-100) never matches
     return hits / (t != IGNORE_INDEX).sum().clamp(min=1)
+
+
+@torch.no_grad()
+def simulated_acceptance(model: MTPTransformer, window: torch.Tensor,
+                         chunk: int = 1024) -> torch.Tensor:
+    """Per draft depth d = 1..K-1, the share of the T positions of windows (B, T + K) where a
+    chain drafted by heads 2..d+1 would all be accepted under teacher forcing: head j's top-1 at
+    t is head 1's greedy token at t + j - 1 for every j <= d + 1 (NeMo's simulated acceptance).
+
+    1 + their sum is the tokens per forward (L) that greedy self-speculation with all K heads
+    would reach on this text. Chained heads read head 1's greedy tokens, as they read accepted
+    drafts when decoding; the context is the data's, where decoding's is the greedy path, so
+    it approximates L on text the model itself wrote.
+    """
+    K = model.cfg.n_future
+    T = window.shape[1] - K
+
+    def rates(h: torch.Tensor, rope) -> torch.Tensor:
+        greedy = greedy_predictions(model, h, rope, chunk)  # (B, T + K - 1)
+        # tokens[i][:, s]: the greedy token at the position head i + 1 predicts from s
+        tokens = torch.stack([F.pad(greedy[:, i:], (0, i)) for i in range(K)])
+        accepted = torch.ones_like(greedy[:, :T], dtype=torch.bool)
+        out = []
+        for i, z in enumerate(model.head_states(h, rope, tokens)):
+            if i == 0:
+                continue
+            z, W = z[:, :T].flatten(0, 1), model.head_unembed(i)
+            pred = torch.cat([(part @ W.T).argmax(-1) for part in z.split(chunk)])
+            accepted &= pred.view(-1, T) == model.head_targets(i, tokens[i][:, :T])
+            out.append(accepted.float().mean())
+        return torch.stack(out) if out else h.new_zeros(0)
+
+    return model(window[:, :-1], heads_fn=rates)
