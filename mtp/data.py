@@ -26,7 +26,7 @@ from mtp.bpe import _check_tokenizer, load_tokenizer, tokenizer_sample, train_to
 from mtp.checkpoint import EOT_TOKEN
 from mtp.config import DataConfig, InputError
 from mtp.corpus import SourceSpec, source_specs, spec_key
-from mtp.shards import SPLITS, _atomic_write, build_shards, load_shards, shard_root
+from mtp.shards import SPLITS, _atomic_write, build_shards, load_shards, locked, shard_root
 
 # -- windows and samplers -----------------------------------------------------------------------
 
@@ -188,10 +188,13 @@ class MTPDataModule(L.LightningDataModule):
             f"{h}-v{self.vocab_size}-b{cfg.tokenizer_train_bytes}.json")
         if path.is_file():
             return Tokenizer.from_file(str(path))
-        tok = train_tokenizer(tokenizer_sample(specs, cfg.tokenizer_train_bytes),
-                              self.vocab_size, cfg.tokenizer_train_bytes, self.eot_token)
         path.parent.mkdir(parents=True, exist_ok=True)
-        _atomic_write(path, lambda p: tok.save(str(p)))
+        with locked(path.with_name(path.name + ".lock")):  # two runs at once train it once
+            if path.is_file():
+                return Tokenizer.from_file(str(path))
+            tok = train_tokenizer(tokenizer_sample(specs, cfg.tokenizer_train_bytes),
+                                  self.vocab_size, cfg.tokenizer_train_bytes, self.eot_token)
+            _atomic_write(path, lambda p: tok.save(str(p)))
         return tok
 
     def _prepare(self) -> tuple[Tokenizer, list[SourceSpec], list[Path]]:
@@ -257,13 +260,19 @@ class MTPDataModule(L.LightningDataModule):
                           num_workers=self.cfg.num_workers)
 
     # -- resumable position --------------------------------------------------------------------
-    def state_dict(self) -> dict:
+    def on_before_batch_transfer(self, batch, dataloader_idx: int):
+        """Counts each training batch as the loop takes it: `samples_consumed` is the windows
+        drawn by every rank so far, whatever batch size, device count or accumulation each
+        stretch of the run had (not global_step x batch size x ranks, which a resume with
+        another batch size would get wrong). The loader's prefetching draws ahead; this counts
+        only what training took."""
         t = self.trainer
-        consumed = self.samples_consumed
-        if t is not None:
-            consumed = (t.global_step * t.accumulate_grad_batches * self.cfg.batch_size
-                        * t.world_size)
-        return {"samples_consumed": consumed}
+        if t is not None and t.training:
+            self.samples_consumed += len(batch) * t.world_size
+        return batch
+
+    def state_dict(self) -> dict:
+        return {"samples_consumed": self.samples_consumed}
 
     def load_state_dict(self, state: dict) -> None:
         self.samples_consumed = int(state["samples_consumed"])

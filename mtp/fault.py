@@ -1,20 +1,35 @@
-"""Nothing lost when `mtp fit` is stopped: checkpoints are never half-written, and SIGINT or
-SIGTERM ends the run at the end of the current step with a checkpoint of that step and the
-command that resumes from it.
+"""Nothing lost when `mtp fit` is stopped: checkpoints are never half-written, ``last.ckpt``
+is always the latest state, and SIGINT or SIGTERM at any stage ends the run with what it can
+keep, the command that goes on from there, and exit status 128 + the signal.
 
-- `AtomicCheckpointIO` writes each checkpoint to a temporary file beside its final name, fsyncs
-  it and renames it into place: a full disk or a kill mid-write leaves the previous checkpoint
-  and no truncated file under the final name (the temporary file is removed).
-- `Interruptible` writes ``last.ckpt`` at the final step of a run that ends between validations,
-  and turns the first SIGINT (Ctrl-C) or SIGTERM into a request that the step in
-  flight honours when it ends (a signal raised mid-step could leave the weights half updated);
-  it then saves ``interrupted-step=N.ckpt`` and stops the trainer. A second Ctrl-C interrupts at
-  once, as Lightning does.
+- `AtomicCheckpointIO` writes each checkpoint to a temporary file beside its final name (locked
+  while it is written), fsyncs it and renames it into place: a full disk or a kill mid-write
+  leaves the previous checkpoint and no truncated file under the final name.
+  `remove_stale_temporaries` deletes the temporary files that a ``kill -9`` left behind.
+- `Interruptible` holds the one SIGINT / SIGTERM handler of a run, from before the data is
+  prepared until the process ends (it replaces the SIGTERM handler that Lightning sets when
+  training starts, whose `SIGTERMException` exits 0). What a signal does depends on the stage:
+
+  - data preparation, tokenisation, or after training: the run stops at once (`Stopped`); the
+    shards keep their last checkpoint, so the printed command continues them;
+  - a training step, or a checkpoint being written: the step or the write in flight finishes
+    (a signal raised mid-step could leave the weights half updated), then
+    ``interrupted-step=N.ckpt`` is saved, ``last.ckpt`` made the same file, and the trainer
+    stops;
+  - validation: the batch in flight finishes, the checkpoint of the last training step is
+    saved, and the run stops without finishing the validation.
+
+  A second Ctrl-C interrupts at once, as Lightning does. SIGUSR1 is left to Lightning: with
+  ``--trainer.plugins`` ``SLURMEnvironment(auto_requeue=True)`` it saves ``hpc_ckpt_N.ckpt``
+  and requeues the job, which resumes from it.
+- ``last.ckpt`` is written at every validation (not only when the monitored loss improved, as
+  Lightning's ``save_last`` does), at an interruption and at the final step.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shlex
 import signal
@@ -26,7 +41,16 @@ import lightning as L
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-__all__ = ["AtomicCheckpointIO", "Interruptible", "resume_command"]
+__all__ = ["AtomicCheckpointIO", "Interruptible", "Stopped", "remove_stale_temporaries",
+           "resume_command"]
+
+log = logging.getLogger(__name__)
+
+LAST = "last.ckpt"
+
+
+def _tmp_prefix(name: str) -> str:
+    return f".{name}."
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -39,23 +63,106 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             raise TypeError("AtomicCheckpointIO takes no storage_options")
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        fd, tmp = tempfile.mkstemp(prefix=_tmp_prefix(path.name), suffix=".tmp", dir=path.parent)
         try:
             with os.fdopen(fd, "wb") as f:
+                _lock(f, blocking=True)  # tells `remove_stale_temporaries` it is being written
                 torch.save(checkpoint, f)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, path)
+                os.replace(tmp, path)  # while locked: the lock covers the file's whole life
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
-        with contextlib.suppress(OSError):  # the rename itself survives a power cut
-            dir_fd = os.open(path.parent, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
+        _fsync_dir(path.parent)
+
+
+def _lock(f, *, blocking: bool) -> bool:
+    """An exclusive flock on open file `f` (released when the file is closed, or the process
+    ends however it ends); False if another process holds it."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: no advisory locks
+        return True
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+    except BlockingIOError:
+        return False
+    return True
+
+
+def _fsync_dir(folder: Path) -> None:
+    with contextlib.suppress(OSError):  # a rename survives a power cut once its folder is synced
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def remove_stale_temporaries(folder: str | os.PathLike) -> list[Path]:
+    """Delete the temporary files of `AtomicCheckpointIO` in `folder` that no live process is
+    writing (a ``kill -9`` mid-write leaves one behind); returns the deleted paths.
+
+    A writer holds an exclusive lock on its temporary file until it is renamed, so a file whose
+    lock can be taken belongs to a process that has ended.
+    """
+    removed = []
+    for tmp in sorted(Path(folder).glob(".*.ckpt.*.tmp")):
+        try:
+            with open(tmp, "rb") as f:
+                if not _lock(f, blocking=False):
+                    continue  # being written right now
+                tmp.unlink()
+        except OSError:  # gone meanwhile, or not ours to delete
+            continue
+        removed.append(tmp)
+    if removed:
+        log.warning("removed %d temporary checkpoint file(s) of a write that was killed: %s",
+                    len(removed), ", ".join(p.name for p in removed))
+    return removed
+
+
+def link_last(path: Path) -> Path:
+    """Make ``last.ckpt`` beside `path` the same file as `path`."""
+    return _link(path, path.parent / LAST)
+
+
+def _link(path: Path, target: Path) -> Path:
+    """`target` becomes the same file as `path`: a hard link renamed into place, so it costs no
+    copy and is never half there; a copy where links are not supported."""
+    if path.resolve() == target.resolve():
+        return target
+    fd, tmp = tempfile.mkstemp(prefix=_tmp_prefix(target.name), suffix=".tmp",
+                               dir=target.parent)
+    os.close(fd)
+    try:
+        os.unlink(tmp)
+        try:
+            os.link(path, tmp)
+        except OSError:
+            import shutil
+
+            shutil.copyfile(path, tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(target.parent)
+    return target
+
+
+def _requeue_checkpoint(trainer) -> Path | None:
+    """Under SLURM with ``auto_requeue``, the path of the next ``hpc_ckpt_N.ckpt``: a requeued
+    job that is given no ``--ckpt_path`` resumes from the highest N (Lightning's rule)."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    env = trainer._accelerator_connector.cluster_environment
+    if not isinstance(env, SLURMEnvironment) or not env.auto_requeue:
+        return None
+    return Path(trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir))
 
 
 def resume_command(argv: list[str], ckpt: str | os.PathLike) -> str:
@@ -71,63 +178,150 @@ def resume_command(argv: list[str], ckpt: str | os.PathLike) -> str:
     return shlex.join(["mtp", *kept, "--ckpt_path", str(ckpt)])
 
 
+class Stopped(BaseException):
+    """A SIGINT / SIGTERM honoured where no training step is in flight. A BaseException, like
+    KeyboardInterrupt, so that no ``except Exception`` on the way swallows it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
 class Interruptible(L.Callback):
-    """SIGINT / SIGTERM: a checkpoint at the end of the current step, then a clean stop."""
+    """The SIGINT / SIGTERM handler of `mtp fit` at every stage (see the module docstring)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self, argv: list[str]) -> None:
         self.argv = list(argv)
         self.requested: int | None = None
-        self.checkpoint: Path | None = None
+        self.checkpoint: Path | None = None  # the checkpoint that the resume command names
+        self._checkpoint_step = -1
+        self.stage = "data preparation"
+        self._training = False  # a step may be in flight: defer the stop to its end
+        self._saved_step = -1  # the step of the latest checkpoint saved
         self._previous: dict[int, object] = {}
+        self._global_zero = True
 
-    def _handle(self, signum, frame) -> None:
-        if self.requested is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C: now
-        self.requested = signum
+    # -- the handler -----------------------------------------------------------------------------
+    def install(self) -> None:
+        """Take SIGINT and SIGTERM (before anything is prepared); `uninstall` gives them back."""
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous.setdefault(sig, signal.signal(sig, self._handle))
 
-    def on_fit_start(self, trainer, pl_module) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return  # signal handlers can only be set from the main thread
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._previous[sig] = signal.signal(sig, self._handle)
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        stop = trainer.strategy.reduce_boolean_decision(self.requested is not None, all=False)
-        if not stop or self.checkpoint is not None:
-            return
-        if self.requested is None:  # the signal reached another rank: every rank stops alike
-            self.requested = signal.SIGTERM
-        callback = trainer.checkpoint_callback
-        folder = Path(callback.dirpath) if callback is not None and callback.dirpath else \
-            Path(trainer.default_root_dir) / "checkpoints"
-        self.checkpoint = folder / f"interrupted-step={trainer.global_step}.ckpt"
-        trainer.save_checkpoint(self.checkpoint)
-        trainer.should_stop = True
-
-    def on_train_end(self, trainer, pl_module) -> None:
-        """A run that ends between validations keeps its last steps: ``last.ckpt`` is written
-        at the final step too (Lightning writes it only after a validation)."""
-        callback = trainer.checkpoint_callback
-        if self.requested is None and callback is not None and callback.dirpath \
-                and getattr(callback, "save_last", False):
-            trainer.save_checkpoint(Path(callback.dirpath) / f"{callback.CHECKPOINT_NAME_LAST}"
-                                    f"{callback.FILE_EXTENSION}")
-
-    def teardown(self, trainer, pl_module, stage) -> None:
+    def uninstall(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
 
+    def _handle(self, signum, frame) -> None:
+        if self.requested is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: now
+        if self.requested is None:
+            self.requested = signum
+        if not self._training:
+            raise Stopped(signum)
+
+    # -- stages ----------------------------------------------------------------------------------
+    def setup(self, trainer, pl_module, stage) -> None:
+        self._global_zero = trainer.is_global_zero
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self.stage = "the start of training"
+        folders = {Path(c.dirpath) for c in trainer.checkpoint_callbacks if c.dirpath}
+        if trainer.ckpt_path and "://" not in str(trainer.ckpt_path):
+            folders.add(Path(trainer.ckpt_path).parent)
+        for folder in folders:
+            if trainer.is_global_zero and folder.is_dir():
+                remove_stale_temporaries(folder)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        # Lightning registered its own SIGTERM handler after on_fit_start: take it back (one
+        # handler; Lightning's raises a SIGTERMException that exits 0 and saves nothing).
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                signal.signal(sig, self._handle)
+        self.stage, self._training = "training", True
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self._stop_requested(trainer) and self.checkpoint is None:
+            self._save_interrupted(trainer)
+            trainer.should_stop = True
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        if self._training:
+            self.stage = "validation"
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx,
+                                dataloader_idx=0) -> None:
+        if self._training and self._stop_requested(trainer):
+            # the weights are those of the last step: keep them, skip the rest of validation
+            if self.checkpoint is None:
+                self._save_interrupted(trainer)
+            raise Stopped(self.requested)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if self._training:
+            self.stage = "training"
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        self._saved_step = trainer.global_step
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        """A run that ends between validations keeps its last steps: ``last.ckpt`` is written
+        at the final step too (Lightning writes it only after a validation)."""
+        folder = self._folder(trainer)
+        if folder is not None:
+            if self._saved_step != trainer.global_step:
+                trainer.save_checkpoint(folder / LAST)
+            if self.checkpoint is None:  # a signal from here on resumes (and ends) here
+                self.checkpoint, self._checkpoint_step = folder / LAST, trainer.global_step
+        self._training, self.stage = False, "the end of training"
+
+    def _stop_requested(self, trainer) -> bool:
+        stop = trainer.strategy.reduce_boolean_decision(self.requested is not None, all=False)
+        if stop and self.requested is None:  # the signal reached another rank: all stop alike
+            self.requested = signal.SIGTERM
+        return stop
+
+    def _folder(self, trainer) -> Path | None:
+        callback = trainer.checkpoint_callback
+        if callback is None:
+            return None
+        return Path(callback.dirpath) if callback.dirpath else \
+            Path(trainer.default_root_dir) / "checkpoints"
+
+    def _save_interrupted(self, trainer) -> None:
+        folder = self._folder(trainer) or Path(trainer.default_root_dir) / "checkpoints"
+        self.checkpoint = folder / f"interrupted-step={trainer.global_step}.ckpt"
+        self._checkpoint_step = trainer.global_step
+        trainer.save_checkpoint(self.checkpoint)
+        if trainer.is_global_zero:
+            link_last(self.checkpoint)
+            requeue = _requeue_checkpoint(trainer)
+            if requeue is not None:  # the requeued job resumes from here, not the older one
+                _link(self.checkpoint, requeue)
+
+    # -- the end ---------------------------------------------------------------------------------
     def report(self) -> int | None:
-        """After the fit: print where the interrupted run was saved and how to resume; the
-        exit status (128 + the signal), or None if the run was not interrupted."""
+        """Print (on rank 0) where the interrupted run was saved and how to go on; the exit
+        status of every rank (128 + the signal), or None if the run was not interrupted."""
         if self.requested is None:
             return None
+        if not self._global_zero:
+            return 128 + self.requested
         name = signal.Signals(self.requested).name
-        if self.checkpoint is None:
-            print(f"\nstopped by {name} before a step ended: no checkpoint written")
+        if self.checkpoint is not None:
+            print(f"\nstopped by {name}: checkpoint of step {self._checkpoint_step} in "
+                  f"{self.checkpoint}\nresume with:\n  "
+                  f"{resume_command(self.argv, self.checkpoint)}", flush=True)
+        elif self.stage == "data preparation":
+            print(f"\nstopped by {name} during data preparation: the token shards keep their "
+                  f"last checkpoint, and the same command continues them:\n  "
+                  f"{shlex.join(['mtp', *self.argv])}", flush=True)
         else:
-            print(f"\nstopped by {name}: checkpoint of step "
-                  f"{self.checkpoint.stem.split('=')[-1]} in {self.checkpoint}\n"
-                  f"resume with:\n  {resume_command(self.argv, self.checkpoint)}")
+            print(f"\nstopped by {name} during {self.stage}, before a training step of this "
+                  f"run had ended: nothing to save; start again with:\n  "
+                  f"{shlex.join(['mtp', *self.argv])}", flush=True)
         return 128 + self.requested

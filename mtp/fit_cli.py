@@ -10,6 +10,7 @@ CPU default: a K = 4 model on the Python standard library, in minutes on two cor
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import sys
@@ -20,6 +21,7 @@ import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ThroughputMonitor
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities import rank_zero_only
 
 from mtp.config import (
     CompileConfig,
@@ -32,9 +34,9 @@ from mtp.config import (
     read_yaml_mapping,
 )
 from mtp.data import MTPDataModule, build_datamodule, unigram_entropy
-from mtp.fault import AtomicCheckpointIO, Interruptible
-from mtp.module import MTPModule, TokenizerInCheckpoint
+from mtp.fault import LAST, AtomicCheckpointIO, Interruptible, Stopped
 from mtp.loglines import StepLines
+from mtp.module import MTPModule, TokenizerInCheckpoint
 from mtp.vocab import eot_id
 
 #: Trainer settings of the CPU default run (configs/cpu.yaml spells out the same values).
@@ -76,7 +78,8 @@ def run_config(namespace) -> RunConfig:
 
 
 def default_callbacks(n_future: int, *, checkpoints: bool = True, logger: bool = True) -> list:
-    """Checkpoints (last and best next-token loss), learning rate, tokens per second and MFU,
+    """Checkpoints (the best next-token loss, and ``last.ckpt`` at every validation whether or
+    not the loss improved), learning rate, tokens per second and MFU,
     and plain progress lines where no progress bar is drawn on a terminal (`mtp.loglines`);
     without checkpointing (`--trainer.enable_checkpointing false`) no checkpoints, and without
     a logger (`--trainer.logger false`) nothing that only logs.
@@ -85,8 +88,11 @@ def default_callbacks(n_future: int, *, checkpoints: bool = True, logger: bool =
     """
     callbacks: list = [StepLines()]
     if checkpoints:
-        callbacks.append(ModelCheckpoint(monitor="val/next_token_loss", mode="min",
-                                         save_last=True, filename="best-{step}"))
+        # NOTE: not `save_last=True`, which refreshes last.ckpt only with a new best
+        callbacks += [ModelCheckpoint(monitor="val/next_token_loss", mode="min",
+                                      filename="best-{step}"),
+                      ModelCheckpoint(filename=LAST.removesuffix(".ckpt"), save_top_k=1,
+                                      enable_version_counter=False)]
     if logger:
         # items are input tokens: a window holds T inputs and K extra targets
         callbacks += [LearningRateMonitor(logging_interval="step"),
@@ -101,8 +107,9 @@ class MTPCLI(LightningCLI):
     its trainer saves checkpoints atomically and stops cleanly on SIGINT / SIGTERM
     (`mtp.fault`)."""
 
-    def __init__(self, *args, argv: list[str], ckpt_path: str | None, **kwargs) -> None:
-        self.interrupt = Interruptible(argv)
+    def __init__(self, *args, interrupt: Interruptible, ckpt_path: str | None,
+                 **kwargs) -> None:
+        self.interrupt = interrupt
         self.ckpt_path = ckpt_path
         super().__init__(*args, **kwargs)
 
@@ -110,7 +117,10 @@ class MTPCLI(LightningCLI):
         add_run_arguments(parser)
 
     def instantiate_classes(self) -> None:
-        self.config_init = self.parser.instantiate_classes(self.config)
+        # the saved config.yaml keeps the version unset: a rerun of it gets a directory of its own
+        config = copy.deepcopy(self.config)
+        _claim_log_version(config.get(self.subcommand, config).get("trainer"))
+        self.config_init = self.parser.instantiate_classes(config)
         c = self.config_init[self.subcommand] if self.subcommand else self.config_init
         model, data = c.model, c.data
         if model.init_from is not None:  # the pretrained model's shape and tokenizer
@@ -126,6 +136,8 @@ class MTPCLI(LightningCLI):
             _check_pretrained_tokenizer(Path(data.tokenizer), model)
         run = RunConfig(model=model, data=data, optim=c.optim, loss=c.loss,
                         compile=c.compile)  # cross-checks
+        if self.subcommand in (None, "fit"):
+            _check_max_steps(c.trainer.max_steps, run.optim)
         if self.ckpt_path:
             _check_resume_checkpoint(Path(self.ckpt_path), run.model)
         self.run_config = run
@@ -158,12 +170,33 @@ class MTPCLI(LightningCLI):
             report_fit(self.trainer, self.model, self.datamodule, model.to(self.model.device))
 
 
+def _check_max_steps(max_steps: int | None, optim: OptimConfig) -> None:
+    """Before any data is read: the run has a length, or the schedule has one.
+
+    `--trainer.max_steps -1` (Lightning's "no limit") with `--optim.decay_steps N` trains until
+    stopped (Ctrl-C or SIGTERM saves a checkpoint): the data stream has no end.
+    """
+    if max_steps is not None and max_steps == 0:
+        raise ConfigError("--trainer.max_steps 0 trains no step; give >= 1, or -1 (no limit) "
+                          "with --optim.decay_steps")
+    if max_steps is not None and max_steps < -1:
+        raise ConfigError(f"--trainer.max_steps must be >= 1, or -1 for no limit (got "
+                          f"{max_steps})")
+    if (max_steps is None or max_steps == -1) and optim.decay_steps is None:
+        raise ConfigError(f"--trainer.max_steps {max_steps} (no limit) leaves the cosine "
+                          "learning-rate schedule without a length: give --trainer.max_steps "
+                          ">= 1, or --optim.decay_steps N to train until stopped")
+
+
 def _check_resume_checkpoint(path: Path, model: ModelConfig) -> None:
-    """Before any data is read: `--ckpt_path` must be an mtp checkpoint of this model config."""
-    from mtp.checkpoint import check_checkpoint_config, read_checkpoint
+    """Before any data is read: `--ckpt_path` must be an intact mtp checkpoint of this model
+    config."""
+    from mtp.checkpoint import check_checkpoint_config, check_tensor_digests, read_checkpoint
 
     try:
-        check_checkpoint_config(read_checkpoint(path, mmap=True), model)
+        ckpt = read_checkpoint(path, mmap=True)
+        check_checkpoint_config(ckpt, model)
+        check_tensor_digests(ckpt, path)  # memory-mapped: read once, nothing copied
     except (ValueError, FileNotFoundError) as err:  # InputError, MissingInput, ConfigError
         raise ConfigError(f"--ckpt_path: {err}") from None
 
@@ -207,8 +240,9 @@ def report_fit(trainer, module: MTPModule, dm: MTPDataModule, model) -> None:
                       generator=torch.Generator(module.device).manual_seed(0))
     print(f"\nsample (temperature 0.7, top-p 0.95):\n{prompt}{dm.tokenizer.decode(new[0])}\n")
     ckpt = trainer.checkpoint_callback
-    if ckpt is not None:
-        print(f"checkpoints: {ckpt.last_model_path} (last), {ckpt.best_model_path} (best)")
+    if ckpt is not None and ckpt.dirpath:
+        best = f", {ckpt.best_model_path} (best)" if ckpt.best_model_path else ""
+        print(f"checkpoints: {Path(ckpt.dirpath) / LAST} (last){best}")
     if trainer.logger is not None:
         print(f"TensorBoard: tensorboard --logdir {Path(trainer.logger.log_dir).parent}")
 
@@ -257,17 +291,48 @@ def fit_main(argv: list[str]) -> int:
     # the arguments are given on purpose (without --ckpt_path), also when they came from the
     # command line: LightningCLI's warning about args beside sys.argv does not apply
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
-    cli = MTPCLI(
-        argv=argv,
-        ckpt_path=ckpt_path,
-        model_class=MTPModule,
-        datamodule_class=MTPDataModule,
-        args=lightning_argv,
-        seed_everything_default=1234,
-        trainer_defaults=TRAINER_DEFAULTS,
-        auto_configure_optimizers=False,
-        save_config_kwargs={"overwrite": True},
-        parser_kwargs={"prog": "mtp", "description": __doc__, "allow_abbrev": False},
-    )
-    status = cli.interrupt.report() if cli.trainer.is_global_zero else None
-    return status or 0
+    interrupt = Interruptible(argv)
+    interrupt.install()  # from here on, SIGINT / SIGTERM stop the run where it is (mtp.fault)
+    try:
+        MTPCLI(
+            interrupt=interrupt,
+            ckpt_path=ckpt_path,
+            model_class=MTPModule,
+            datamodule_class=MTPDataModule,
+            args=lightning_argv,
+            seed_everything_default=1234,
+            trainer_defaults=TRAINER_DEFAULTS,
+            auto_configure_optimizers=False,
+            save_config_kwargs={"overwrite": True},
+            parser_kwargs={"prog": "mtp", "description": __doc__, "allow_abbrev": False},
+        )
+    except Stopped:
+        pass  # the signal's stage decides what was kept: `report` says it
+    finally:
+        interrupt.uninstall()
+    return interrupt.report() or 0
+
+
+def _claim_log_version(trainer) -> None:
+    """Give the run's TensorBoard or CSV logger a ``version_N`` directory of its own, claimed
+    with an atomic mkdir: left to themselves, two runs started at once in one directory both
+    take max(existing) + 1 and write into each other's logs and checkpoints."""
+    logger = trainer.get("logger") if trainer is not None else None
+    if rank_zero_only.rank != 0 or not hasattr(logger, "init_args") or \
+            logger.class_path.rsplit(".", 1)[-1] not in ("TensorBoardLogger", "CSVLogger") or \
+            logger.init_args.get("version") is not None:
+        return  # other ranks, other loggers, a version given
+    args = logger.init_args
+    root = Path(args.get("save_dir") or ".") / (args.get("name") or "")
+    if "://" in str(root):
+        return
+    root.mkdir(parents=True, exist_ok=True)
+    taken = [int(d.name[8:]) for d in root.glob("version_*") if d.name[8:].isdigit()]
+    n = max(taken, default=-1) + 1
+    while True:
+        try:
+            (root / f"version_{n}").mkdir()
+            break
+        except FileExistsError:
+            n += 1
+    args.version = n

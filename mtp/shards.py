@@ -65,10 +65,15 @@ def _fsync_dir(path: Path) -> None:
 
 def _atomic_write(path: Path, write) -> None:
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    write(tmp)
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, or a SIGINT / SIGTERM (`mtp.fault.Stopped`)
+        with suppress(OSError):
+            tmp.unlink()
+        raise
     _fsync_dir(path.parent)
 
 
@@ -77,8 +82,11 @@ def _write_json(path: Path, obj: dict) -> None:
 
 
 @contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """An exclusive lock on `path`, so two runs never build the same shard at once."""
+def locked(path: Path) -> Iterator[None]:
+    """An exclusive lock on the file `path` (created if need be), so that two runs never build
+    the same tokenizer or shard at once: the second waits, then finds the first one's result.
+    An flock belongs to the open file, so the kernel releases it however the process ends
+    (kill -9 included; the tokenising workers, which inherit it, die with their parent)."""
     try:
         import fcntl
     except ImportError:  # Windows: no advisory locks; runs must not race on one cache
@@ -197,7 +205,7 @@ def build_shards(spec: SourceSpec, tokenizer: Tokenizer, root: Path, *, workers:
         return json.loads(meta.read_text())
     key = spec_key(spec) if key is None else key
     root.mkdir(parents=True, exist_ok=True)
-    with _locked(root / "lock"):
+    with locked(root / "lock"):
         if meta.is_file():  # another run finished it while this one waited for the lock
             return json.loads(meta.read_text())
         return _build_locked(spec, tokenizer, root, workers, key, eot_token)
@@ -276,7 +284,7 @@ def _finish(spec: SourceSpec, writer: _ShardWriter, root: Path, key: dict, state
     finally:
         writer.close()
     if state["skipped"]:
-        log.warning("skipped %d unreadable or non-UTF-8 files of %s", state["skipped"],
+        log.warning("skipped %d unreadable, non-UTF-8 or binary files of %s", state["skipped"],
                     spec.label)
     meta = {"format": SHARD_FORMAT, "source": spec.source, "key": key,
             "tokenizer_sha256": hashlib.sha256(tokenizer.to_str().encode()).hexdigest(),

@@ -217,7 +217,8 @@ def test_mtp_fit_end_to_end(tiny_corpus, tmp_path, monkeypatch, capsys):
                                                 line)]
     assert [s.split()[1] for s in steps] == ["5/12", "10/12", "12/12"], lines
     vals = [line for line in lines if line.startswith("validation at step ")]
-    assert len(vals) == 2 and vals[0].startswith("validation at step 6  next_token_loss ")
+    assert len(vals) == 2 and re.match(r"validation at step 6  next_token_loss [\d.]+  "
+                                       r"sim_tokens_per_forward [\d.]+  ", vals[0])
     assert "loss_head2 " in vals[0] and "acc_head2 " in vals[0]
     run = tmp_path / "runs" / "mtp" / "version_0"
     assert (run / "config.yaml").is_file() and (run / "checkpoints" / "last.ckpt").is_file()
@@ -228,7 +229,7 @@ def test_mtp_fit_end_to_end(tiny_corpus, tmp_path, monkeypatch, capsys):
     events.Reload()
     tags = set(events.Tags()["scalars"])
     for name in ("val/loss_head1", "val/loss_head2", "train/loss_head2", "train/acc_head1",
-                 "val/acc_head2"):
+                 "val/acc_head2", "val/sim_accept_draft1", "val/sim_tokens_per_forward"):
         assert name in tags, f"{name} missing from TensorBoard: {sorted(tags)}"
     assert any("items_per_sec" in t for t in tags), "tokens per second not logged"
 
