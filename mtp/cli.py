@@ -1,7 +1,7 @@
 """The `mtp` command: one line per subcommand, each imported only when it runs, so that
 `mtp --help` answers at once (torch and Lightning take seconds to import).
 
-    mtp fit | validate | generate | eval | bench | export | distill ...
+    mtp fit | validate | generate | eval | bench | export | distill | lm-eval ...
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ COMMANDS = {
     "bench": "benchmarks: loss | train | kernel | decode | tokenize | sandbox",
     "export": "write a checkpoint as a transformers directory (`mtp export hf`)",
     "distill": "a self-distillation corpus: the model's own answers to coding requests",
+    "lm-eval": "EleutherAI's lm-evaluation-harness with the `mtp` model (`--model mtp`)",
 }
 
 
@@ -74,6 +75,14 @@ def _dispatch(argv: list[str]) -> int:
         from mtp.distill import main as distill_main
 
         return distill_main(rest)
+    if cmd == "lm-eval":
+        try:
+            from mtp.lmeval import main as lmeval_main
+        except ModuleNotFoundError as e:
+            print(f"mtp lm-eval: needs lm-eval ({e}); pip install -e \".[lmeval]\"",
+                  file=sys.stderr)
+            return 2
+        return lmeval_main(rest)
     print(f"mtp: unknown command {cmd!r}; choose from {', '.join(COMMANDS)}", file=sys.stderr)
     return 2
 
