@@ -268,8 +268,10 @@ SUPPORTED = ("llama", "mistral", "qwen2")
 
 def pretrained_config(path: str | os.PathLike, cfg: ModelConfig) -> ModelConfig:
     """The model config of `--model.init_from PATH`: the shape of the transformers checkpoint
-    directory or GGUF file at `path` (its ``n - 1`` first layers as the trunk, its last as head
-    1), with `cfg`'s K, context length and initialisation scale.
+    directory or GGUF file at `path`, with `cfg`'s K, head type, context length and
+    initialisation scale. With `block` heads its ``n - 1`` first layers are the trunk and its
+    last is head 1; with `deepseek`, `medusa` and `linear` heads all ``n`` layers are the trunk
+    (`init_from_pretrained` makes head 1 the identity where the head type has weights).
 
     Raises:
         ExportError: If `path` is not a local checkpoint of a supported family, or uses what
@@ -301,9 +303,8 @@ def pretrained_config(path: str | os.PathLike, cfg: ModelConfig) -> ModelConfig:
     if window is not None and window < cfg.max_seq_len:
         problems.append(f"a sliding window of {window} below --model.max_seq_len "
                         f"{cfg.max_seq_len}")
-    if cfg.head_type != "block" or cfg.matched_params:
-        problems.append(f"--model.head_type {cfg.head_type} or --model.matched_params (the "
-                        "pretrained layers fix the heads' shape)")
+    if cfg.matched_params:
+        problems.append("--model.matched_params (the pretrained layers fix the trunk's depth)")
     if problems:
         raise ExportError(f"--model.init_from {path}: mtp cannot reproduce {'; '.join(problems)}")
     eot = cfg.eot_token
@@ -314,8 +315,11 @@ def pretrained_config(path: str | os.PathLike, cfg: ModelConfig) -> ModelConfig:
     if n_layers < 2:
         raise ExportError(f"--model.init_from {path}: {n_layers} layer; a trunk and head 1 "
                           f"need 2 at least")
+    # n_layers counts the trunk and head 1's block: `deepseek` moves that block into the trunk
+    # (ModelConfig.n_trunk_layers), `medusa` and `linear` heads hold none
+    in_head = cfg.head_type in ("block", "deepseek")
     return dataclasses.replace(
-        cfg, vocab_size=hf["vocab_size"], d_model=d, n_layers=n_layers - 1, n_heads=n_heads,
+        cfg, vocab_size=hf["vocab_size"], d_model=d, n_layers=n_layers - in_head, n_heads=n_heads,
         n_kv_heads=hf.get("num_key_value_heads") or n_heads,
         ffn_hidden=hf["intermediate_size"], rope_theta=float(theta),
         norm_eps=hf.get("rms_norm_eps", 1e-6), tie_embeddings=bool(hf.get(
@@ -445,8 +449,11 @@ def init_from_pretrained(model: MTPTransformer) -> None:
     """Load `model.cfg.init_from`'s weights into `model` (built from `pretrained_config`).
 
     The checkpoint's layers fill the trunk and head 1, so head 1's logits are the pretrained
-    model's; each of heads 2..K starts as a copy of head 1's block (the last pretrained layer),
+    model's. `block` heads 2..K start as copies of head 1's block (the last pretrained layer),
     so at first every head predicts as head 1 does, and training moves each to its offset.
+    With the trunk holding every layer, `medusa` heads start as the identity (their zero
+    initialisation) and `linear` heads as the identity matrix, so every head again predicts as
+    head 1; the block of each `deepseek` module 2..K starts as a copy of the last layer.
     """
     cfg = model.cfg
     path = Path(cfg.init_from)
@@ -454,14 +461,23 @@ def init_from_pretrained(model: MTPTransformer) -> None:
     embed = hf["model.embed_tokens.weight"]
     state = {"embed.weight": embed, "norm.weight": hf["model.norm.weight"],
              "unembed.weight": hf.get("lm_head.weight", embed)}
-    for i in range(cfg.n_trunk_layers + 1):
+    n_layers = cfg.n_trunk_layers + (cfg.head_type == "block")
+    for i in range(n_layers):
         layer = _layer_from_llama(hf, cfg, f"model.layers.{i}")
         targets = [f"blocks.{i}"] if i < cfg.n_trunk_layers else \
             [f"heads.{j}" for j in range(cfg.n_future)]
+        if cfg.head_type == "deepseek" and i == n_layers - 1:
+            targets += [f"heads.{j}.block" for j in range(1, cfg.n_future)]
         for into in targets:
             state.update({f"{into}.{k}": v.clone() for k, v in layer.items()})
+    if cfg.head_type == "linear":
+        state.update({f"heads.{j}.proj.weight": torch.eye(cfg.d_model, dtype=embed.dtype)
+                      for j in range(cfg.n_future)})
     missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if k != "draft_ids"]  # set from the training data
+    # the draft vocabulary is set from the training data; medusa heads keep their zero weights,
+    # a deepseek module its projection and norms
+    own = cfg.head_type in ("medusa", "deepseek")
+    missing = [k for k in missing if k != "draft_ids" and not (own and k.startswith("heads."))]
     if missing or unexpected:
         raise ExportError(f"--model.init_from {path}: weights do not fit (missing "
                           f"{missing[:4]}, unexpected {unexpected[:4]})")

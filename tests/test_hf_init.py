@@ -84,6 +84,32 @@ def test_head_1_is_the_pretrained_model_before_training(tmp_path, tokenizer, kin
         torch.testing.assert_close(ours[k], ours[0], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("head_type", ["medusa", "linear", "deepseek"])
+def test_every_head_type_starts_from_the_pretrained_model(tmp_path, tokenizer, head_type):
+    """The trunk holds every pretrained layer; head 1 is the identity where it has weights (so
+    its logits are the pretrained model's), and medusa and linear heads 2..K start as head 1."""
+    path = _pretrained(tmp_path, tokenizer)
+    cfg = pretrained_config(path, ModelConfig(n_future=3, max_seq_len=64, head_type=head_type))
+    assert cfg.n_trunk_layers == 3
+    model = MTPTransformer(cfg)
+    init_from_pretrained(model)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    with torch.no_grad():
+        ours = model.eval()(_ids())
+        want = hf(_ids()).logits
+    assert (ours[0] - want).norm() / want.norm() <= 1e-5
+    if head_type == "deepseek":  # each module's block is the last layer, its projection new
+        torch.testing.assert_close(model.heads[1].block.attn.qkv.weight,
+                                   model.blocks[-1].attn.qkv.weight, rtol=0, atol=0)
+    else:
+        for k in (1, 2):
+            torch.testing.assert_close(ours[k], ours[0], rtol=0, atol=0)
+    if head_type == "deepseek":  # (ModelConfig refuses matched_params for the others)
+        with pytest.raises(ExportError, match="matched_params"):
+            pretrained_config(path, ModelConfig(n_future=3, head_type=head_type,
+                                                matched_params=True))
+
+
 def test_qwen2_model_exports_and_reads_back(tmp_path, tokenizer):
     path = _pretrained(tmp_path, tokenizer, "qwen2")
     model = MTPTransformer(pretrained_config(path, ModelConfig(n_future=2, max_seq_len=64)))
