@@ -26,7 +26,7 @@ from mtp.bpe import _check_tokenizer, load_tokenizer, tokenizer_sample, train_to
 from mtp.checkpoint import EOT_TOKEN
 from mtp.config import DataConfig, InputError
 from mtp.corpus import SourceSpec, source_specs, spec_key
-from mtp.shards import SPLITS, _atomic_write, build_shards, load_shards, locked, shard_root
+from mtp.shards import SPLITS, atomic_write, build_shards, load_shards, locked, shard_root
 
 # -- windows and samplers -----------------------------------------------------------------------
 
@@ -194,7 +194,7 @@ class MTPDataModule(L.LightningDataModule):
                 return Tokenizer.from_file(str(path))
             tok = train_tokenizer(tokenizer_sample(specs, cfg.tokenizer_train_bytes),
                                   self.vocab_size, cfg.tokenizer_train_bytes, self.eot_token)
-            _atomic_write(path, lambda p: tok.save(str(p)))
+            atomic_write(path, lambda p: tok.save(str(p)))
         return tok
 
     def _prepare(self) -> tuple[Tokenizer, list[SourceSpec], list[Path]]:

@@ -63,7 +63,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _atomic_write(path: Path, write) -> None:
+def atomic_write(path: Path, write) -> None:
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     try:
         write(tmp)
@@ -78,7 +78,7 @@ def _atomic_write(path: Path, write) -> None:
 
 
 def _write_json(path: Path, obj: dict) -> None:
-    _atomic_write(path, lambda p: p.write_text(json.dumps(obj, indent=1)))
+    atomic_write(path, lambda p: p.write_text(json.dumps(obj, indent=1)))
 
 
 @contextmanager

@@ -65,12 +65,9 @@ def _ids(n=2, t=40):
     return torch.randint(0, 320, (n, t), generator=torch.Generator().manual_seed(3))
 
 
-@pytest.mark.parametrize("kind, tie", [("llama", False), ("llama", True), ("qwen2", False)])
-def test_head_1_is_the_pretrained_model_before_training(tmp_path, tokenizer, kind, tie):
-    path = _pretrained(tmp_path, tokenizer, kind, tie_word_embeddings=tie)
-    cfg = pretrained_config(path, ModelConfig(n_future=3, max_seq_len=64))
-    assert (cfg.n_layers, cfg.d_model, cfg.kv_heads, cfg.attn_bias, cfg.tie_embeddings) == \
-        (2, 64, 2, kind == "qwen2", tie)
+def _head_1_against_transformers(cfg: ModelConfig, path, with_model: bool = False):
+    """All heads' logits (K, B, T, V) of the model `init_from_pretrained` builds from `path`,
+    after checking head 1's against transformers' own to 1e-5 relative."""
     model = MTPTransformer(cfg)
     init_from_pretrained(model)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
@@ -79,6 +76,16 @@ def test_head_1_is_the_pretrained_model_before_training(tmp_path, tokenizer, kin
         want = hf(_ids()).logits
     rel = (ours[0] - want).norm() / want.norm()
     assert rel <= 1e-5, f"relative error {rel:.2e}"
+    return (ours, model) if with_model else ours
+
+
+@pytest.mark.parametrize("kind, tie", [("llama", False), ("llama", True), ("qwen2", False)])
+def test_head_1_is_the_pretrained_model_before_training(tmp_path, tokenizer, kind, tie):
+    path = _pretrained(tmp_path, tokenizer, kind, tie_word_embeddings=tie)
+    cfg = pretrained_config(path, ModelConfig(n_future=3, max_seq_len=64))
+    assert (cfg.n_layers, cfg.d_model, cfg.kv_heads, cfg.attn_bias, cfg.tie_embeddings) == \
+        (2, 64, 2, kind == "qwen2", tie)
+    ours = _head_1_against_transformers(cfg, path)
     # heads 2..K start as copies of head 1's block: the same logits, until trained
     for k in (1, 2):
         torch.testing.assert_close(ours[k], ours[0], rtol=0, atol=0)
@@ -91,13 +98,7 @@ def test_every_head_type_starts_from_the_pretrained_model(tmp_path, tokenizer, h
     path = _pretrained(tmp_path, tokenizer)
     cfg = pretrained_config(path, ModelConfig(n_future=3, max_seq_len=64, head_type=head_type))
     assert cfg.n_trunk_layers == 3
-    model = MTPTransformer(cfg)
-    init_from_pretrained(model)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
-    with torch.no_grad():
-        ours = model.eval()(_ids())
-        want = hf(_ids()).logits
-    assert (ours[0] - want).norm() / want.norm() <= 1e-5
+    ours, model = _head_1_against_transformers(cfg, path, with_model=True)
     if head_type == "deepseek":  # each module's block is the last layer, its projection new
         torch.testing.assert_close(model.heads[1].block.attn.qkv.weight,
                                    model.blocks[-1].attn.qkv.weight, rtol=0, atol=0)

@@ -226,26 +226,19 @@ def test_sigterm_during_tokenisation_exits_143_and_the_same_command_continues(
         == [shard.name]
 
 
-def test_sigterm_during_a_step_exits_143_after_the_step_and_the_command_resumes_there(
-        tiny_corpus, cache, tmp_path, monkeypatch):
-    args = _args(tiny_corpus, cache, *_callbacks(("PauseAt", {"stage": "step", "step": 3,
+@pytest.mark.parametrize("stage, step", [("step", 3), ("validation", 4)])
+def test_sigterm_during_a_step_or_validation_exits_143_and_the_command_resumes_there(
+        stage, step, tiny_corpus, cache, tmp_path, monkeypatch):
+    """During a step, the step in flight (the 4th) ends before the checkpoint; during the
+    step-4 validation, it stops within it and keeps step 4. Either way the printed command
+    resumes at step 4."""
+    args = _args(tiny_corpus, cache, *_callbacks(("PauseAt", {"stage": stage, "step": step,
                                                               "folder": str(tmp_path)})))
     proc = _start(args, tmp_path)
-    out, err = _signal_at(proc, tmp_path, "step")
+    out, err = _signal_at(proc, tmp_path, stage)
     assert proc.returncode == 128 + signal.SIGTERM, (out, err[-3000:])
-    # the step in flight (the 4th) ended before the checkpoint was taken
-    seen = _resumed(out, args, 4, tmp_path, monkeypatch, end=6)
-    assert seen[0] == {"event": "start", "step": 4} and seen[-1]["last"] == 6
-
-
-def test_sigterm_during_validation_stops_it_keeps_the_last_step_and_resumes_there(
-        tiny_corpus, cache, tmp_path, monkeypatch):
-    args = _args(tiny_corpus, cache, *_callbacks(("PauseAt", {"stage": "validation", "step": 4,
-                                                              "folder": str(tmp_path)})))
-    proc = _start(args, tmp_path)
-    out, err = _signal_at(proc, tmp_path, "validation")
-    assert proc.returncode == 128 + signal.SIGTERM, (out, err[-3000:])
-    assert "validation at step 4" not in out  # stopped within it, not after it
+    if stage == "validation":
+        assert "validation at step 4" not in out  # stopped within it, not after it
     seen = _resumed(out, args, 4, tmp_path, monkeypatch, end=6)
     assert seen[0] == {"event": "start", "step": 4} and seen[-1]["last"] == 6
     assert [r["step"] for r in seen if r["event"] == "step"] == [4, 5]

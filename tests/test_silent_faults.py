@@ -70,7 +70,6 @@ def test_glob_source_reads_each_file_once_through_directory_links(tmp_path):
         sorted(plain.train)
 
 
-@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes are POSIX")
 @pytest.mark.parametrize("form", ["glob", "directory", "file"])
 def test_a_named_pipe_is_never_a_document(tmp_path, form):
     corpus = _corpus(tmp_path)
@@ -86,7 +85,6 @@ def test_a_named_pipe_is_never_a_document(tmp_path, form):
     assert len(corpus_docs.train) + len(corpus_docs.val) == (6 if form == "glob" else 12)
 
 
-@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes are POSIX")
 def test_a_file_replaced_by_a_pipe_after_listing_is_skipped_not_waited_on(tmp_path, caplog):
     from mtp.corpus import _read_text
 
