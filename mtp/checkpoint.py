@@ -48,20 +48,28 @@ def tensor_digests(state: dict) -> dict[str, str]:
     return {k: _sha256(v) for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 
+def digest_mismatch(want: dict[str, str], state: dict, path: str | os.PathLike) -> str | None:
+    """What is wrong, naming the file and the tensors, where `state`'s tensors differ from the
+    digests `want` recorded for them; None where they match."""
+    got = tensor_digests(state)
+    bad = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
+    if not bad:
+        return None
+    shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+    which = f"tensor {shown} does" if len(bad) == 1 else f"tensors {shown} do"
+    return (f"{path} is corrupted: {which} not match the sha256 it records ({DIGESTS}); the "
+            "file changed after it was written (disk, copy or download): use an intact copy")
+
+
 def check_tensor_digests(ckpt: dict, path: str | os.PathLike) -> None:
     """Raise, naming the file and the tensors, if a checkpoint's tensors differ from the
     digests it records (a checkpoint without digests passes: it was written before them)."""
     want = ckpt.get("mtp", {}).get(DIGESTS)
     if want is None or "state_dict" not in ckpt:  # (FSDP's loader takes it out, checked then)
         return
-    got = tensor_digests(ckpt["state_dict"])
-    bad = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
-    if bad:
-        shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
-        which = f"tensor {shown} does" if len(bad) == 1 else f"tensors {shown} do"
-        raise InputError(f"checkpoint {path} is corrupted: {which} not match the sha256 it "
-                         f"records ({DIGESTS}); the file changed after it was written (disk, "
-                         "copy or download): use an intact copy")
+    problem = digest_mismatch(want, ckpt["state_dict"], f"checkpoint {path}")
+    if problem:
+        raise InputError(problem)
 
 
 def save_checkpoint(path: str | os.PathLike, model: MTPTransformer, tokenizer: Tokenizer) -> None:

@@ -10,8 +10,10 @@
   i + hd/2), which leaves every attention score unchanged.
 * ``tokenizer.json``, ``tokenizer_config.json`` (a fast tokenizer whose ``eos_token`` is the
   model's end-of-text token, `ModelConfig.eot_token`) and ``generation_config.json``.
-* ``mtp_config.json`` (the model config) and ``mtp_heads.safetensors`` (heads 2..K, in mtp's own
-  names): nothing of the model is lost, and `load_export` rebuilds it whole.
+* ``mtp_config.json`` (the model config, and a sha256 of every tensor of each weight file,
+  checked by `load_export`) and ``mtp_heads.safetensors`` (heads 2..K, in mtp's own names):
+  nothing of the model is lost, and `load_export` rebuilds it whole, or names the tensors that
+  changed since.
 
 transformers is not needed to write or read such a directory (only safetensors); it is the
 reader this layout is for. A model the Llama layout cannot hold exactly is refused with why.
@@ -29,6 +31,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+from mtp.checkpoint import DIGESTS, digest_mismatch, tensor_digests
 from mtp.config import ModelConfig
 from mtp.model import MTPTransformer
 
@@ -207,8 +210,13 @@ def export(model: MTPTransformer, tokenizer: Tokenizer, output: str | os.PathLik
             "pad_token": cfg.eot_token, "model_max_length": cfg.max_seq_len,
             "clean_up_tokenization_spaces": False}
             | ({"chat_template": cfg.chat_template} if cfg.chat_template else {}))
+        # Each weight file's tensor digests, checked by `load_export` (safetensors checks none).
+        digests = {"model.safetensors": tensor_digests(state)}
+        if heads:
+            digests[MTP_HEADS] = tensor_digests(heads)
         _write_json(tmp / MTP_CONFIG, {"format_version": FORMAT_VERSION,
-                                       "model_config": dataclasses.asdict(cfg)})
+                                       "model_config": dataclasses.asdict(cfg),
+                                       DIGESTS: digests})
         if output.exists():
             output.rmdir()  # empty, checked above
         os.replace(tmp, output)
@@ -245,6 +253,12 @@ def load_export(path: str | os.PathLike) -> tuple[MTPTransformer, Tokenizer]:
     _check_exportable(cfg)
     llama = load_file(path / "model.safetensors")
     heads = load_file(path / MTP_HEADS) if (path / MTP_HEADS).is_file() else {}
+    # An export written before the digests loads unchecked.
+    for name, tensors in (("model.safetensors", llama), (MTP_HEADS, heads)):
+        want = meta.get(DIGESTS, {}).get(name)
+        problem = want is not None and digest_mismatch(want, tensors, path / name)
+        if problem:
+            raise ExportError(problem)
     state = {"embed.weight": llama["model.embed_tokens.weight"],
              "norm.weight": llama["model.norm.weight"],
              "unembed.weight": llama.get("lm_head.weight", llama["model.embed_tokens.weight"])}

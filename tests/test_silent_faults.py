@@ -391,6 +391,31 @@ def test_a_corrupted_tensor_in_a_checkpoint_is_refused_naming_file_and_tensor(ck
     assert torch.equal(load_checkpoint(tmp_path / "old.ckpt")[0].embed.weight, model.embed.weight)
 
 
+def test_a_corrupted_tensor_in_an_export_is_refused_naming_file_and_tensor(ckpt, tmp_path):
+    import json
+
+    from safetensors.torch import load_file
+
+    from mtp.checkpoint import DIGESTS, load_checkpoint
+    from mtp.hf import MTP_CONFIG, MTP_HEADS, ExportError, export, load_export
+
+    model, tok = load_checkpoint(ckpt)
+    out = export(model, tok, tmp_path / "hf")
+    assert torch.equal(load_export(out)[0].heads[1].attn.qkv.weight,
+                       model.heads[1].attn.qkv.weight)
+    # Flipped bytes in a draft head: safetensors reads the file without a word.
+    _corrupt(out / MTP_HEADS, model.heads[1].attn.qkv.weight)
+    load_file(out / MTP_HEADS)
+    with pytest.raises(ExportError, match=rf"{out / MTP_HEADS} is corrupted: tensor "
+                                          r"heads\.1\.attn\.qkv\.weight does not match"):
+        load_export(out)
+    # An export written before the digests loads unchecked.
+    meta = json.loads((out / MTP_CONFIG).read_text())
+    del meta[DIGESTS]
+    (out / MTP_CONFIG).write_text(json.dumps(meta))
+    load_export(out)
+
+
 def test_a_corrupted_training_checkpoint_is_refused_on_resume_and_load(tiny_corpus, tmp_path,
                                                                       capsys):
     from mtp.checkpoint import load_checkpoint
