@@ -241,7 +241,7 @@ HEAD_TYPES: tuple[str, ...] = typing.get_args(typing.get_type_hints(ModelConfig)
 #: that trains on two CPU cores in minutes; the rest are GPU sizes (parameter counts at V = 32000,
 #: K = 4, matched to the K = 1 model of the same name).
 #: The decoders of `mtp.decoding.generate` (`mtp generate --decoder`).
-DECODERS = ("greedy", "sample", "self-spec", "tree", "draft")
+DECODERS = ("greedy", "sample", "self-spec", "tree", "draft", "lookup")
 
 MODEL_REGISTRY: dict[str, ModelConfig] = {
     "debug": ModelConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=2, n_future=2,

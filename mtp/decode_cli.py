@@ -39,6 +39,12 @@ def decoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-ckpt", default=None,
                    help="checkpoint of the small draft model for decoder `draft`")
     p.add_argument("--gamma", type=int, default=4, help="tokens the draft model proposes")
+    p.add_argument("--lookup", type=int, default=0, metavar="N",
+                   help="prompt lookup: the most tokens a round copies from the text so far "
+                        "(decoder lookup: default 10); with self-spec or tree, verified as one "
+                        "more branch beside the heads' drafts (0: none)")
+    p.add_argument("--lookup-ngram", type=int, default=2, metavar="N",
+                   help="prompt lookup matches the text's last N..1 tokens")
     p.add_argument("--stop", action="append", default=[],
                    help="stop string (repeatable); searched in the new text")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
@@ -65,6 +71,8 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace):
     need("--top-k", args.top_k, args.top_k is not None and args.top_k >= 1, ">= 1")
     need("--top-p", args.top_p, args.top_p is not None and 0 < args.top_p <= 1, "in (0, 1]")
     need("--gamma", args.gamma, args.gamma >= 1, ">= 1")
+    need("--lookup", args.lookup, args.lookup >= 0, ">= 0")
+    need("--lookup-ngram", args.lookup_ngram, args.lookup_ngram >= 1, ">= 1")
     need("--threads", args.threads, args.threads is not None and args.threads >= 1, ">= 1")
     for name in ("limit", "repeat", "batch_size", "calib_prompts"):
         value = getattr(args, name, None)
@@ -261,6 +269,7 @@ def generate_main(argv: list[str]) -> int:
         out, stats = generate(
             model, [ids], args.max_new_tokens, decoder=args.decoder, heads=args.heads,
             tree=tree, draft_model=draft, gamma=args.gamma, adaptive=args.adaptive,
+            lookup=args.lookup, lookup_ngram=args.lookup_ngram,
             generator=torch.Generator(device=args.device).manual_seed(args.seed),
             on_tokens=stream, **sampling, **common,
         )

@@ -78,6 +78,9 @@ def test_speculative_greedy_equals_greedyrandom_model(decoder: str) -> None:
         ("tree", {}),
         ("tree", {"heads": 3, "tree": Tree.from_widths([4, 3])}),
         ("tree", {"tree": Tree.from_paths([(0,), (1,), (0, 0), (1, 0), (0, 0, 0), (1, 0, 0)])}),
+        ("lookup", {}),
+        ("self-spec", {"lookup": 5}),
+        ("tree", {"lookup": 6, "lookup_ngram": 3}),
     ],
 )
 @pytest.mark.parametrize("which", ["cyclic_model", "early_model"])
@@ -165,7 +168,8 @@ def test_acceptance_lengths_match_a_reference(cyclic_model, early_model) -> None
 @pytest.mark.parametrize(
     ("decoder", "kwargs"),
     [("self-spec", {}), ("tree", {"tree": Tree.from_widths([3, 2, 2])}), ("draft", {}),
-     ("self-spec", {"adaptive": "alternate"}), ("tree", {"adaptive": "alternate"})],
+     ("self-spec", {"adaptive": "alternate"}), ("tree", {"adaptive": "alternate"}),
+     ("tree", {"lookup": 4}), ("lookup", {})],
 )
 def test_cache_holds_exactly_the_committed_tokens(early_model, monkeypatch, decoder, kwargs):
     """After decoding, every layer's cache (trunk, head 1, draft heads; the draft model's too)
@@ -213,10 +217,11 @@ def test_cache_holds_exactly_the_committed_tokens(early_model, monkeypatch, deco
         with torch.no_grad():
             model(x, cache=ref, slots=torch.arange(n)[None],
                   mask=torch.ones(1, 1, n, n, dtype=torch.bool).tril())
-        # The draft decoder runs the target's trunk and head 1 only. Heads 2..h hold every
-        # committed token but the unseen ones (they run only when drafts are wanted).
+        # The draft and lookup decoders run the target's trunk and head 1 only. Heads 2..h hold
+        # every committed token but the unseen ones (they run only when drafts are wanted).
         target = model.cfg.n_trunk_layers + 1
-        layers = target if decoder == "draft" else model.cfg.n_trunk_layers + model.cfg.n_future
+        layers = target if decoder in ("draft", "lookup") else \
+            model.cfg.n_trunk_layers + model.cfg.n_future
         for got, want in ((cache.k, ref.k), (cache.v, ref.v)):
             torch.testing.assert_close(got[:target, :, :, :n], want[:target], atol=2e-4,
                                        rtol=1e-4)

@@ -108,7 +108,7 @@ def test_generate_streams_and_compares(ckpts, capsys) -> None:
     assert "outputs equal: yes" in out and "speedup" in out
 
 
-@pytest.mark.parametrize("decoder", ["tree", "draft", "sample"])
+@pytest.mark.parametrize("decoder", ["tree", "draft", "sample", "lookup"])
 def test_generate_other_decoders(ckpts, capsys, decoder) -> None:
     args = ["--ckpt", ckpts["k4"], "--prompt", "for i in", "--decoder", decoder,
             "--max-new-tokens", "8", "--draft-ckpt", ckpts["k1"], "--temperature",
@@ -133,6 +133,8 @@ def test_generate_other_decoders(ckpts, capsys, decoder) -> None:
         (["--ckpt", "K4", "--decoder", "sample", "--temperature", "0"], "--temperature > 0"),
         (["--ckpt", "K4", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
         (["--ckpt", "K4", "--gamma", "0"], "--gamma must be >= 1"),
+        (["--ckpt", "K4", "--lookup", "-1"], "--lookup must be >= 0"),
+        (["--ckpt", "K4", "--lookup-ngram", "0"], "--lookup-ngram must be >= 1"),
         (["--ckpt", "K4", "--threads", "0"], "--threads must be >= 1"),
         (["--ckpt", "K4", "--device", "gpu7"], "--device 'gpu7'"),
         (["--ckpt", "K4", "--tree", "3,x"], "--tree must be"),
@@ -180,7 +182,8 @@ def test_bench_decode_writes_table_and_csv(ckpts, tmp_path, capsys) -> None:
     code = bench_main(["--ckpt", ckpts["k4"], "--draft-ckpt", ckpts["k1"], "--prompts",
                        str(prompts), "--max-new-tokens", "10", "--heads", "2,4",
                        "--auto-tree", "5", "--calib-prompts", "2", "--csv", str(out_csv),
-                       "--oracle", "--adaptive", "--repeat", "2"])
+                       "--oracle", "--adaptive", "--repeat", "2", "--decoders",
+                       "greedy,self-spec,tree,draft,lookup", "--lookup", "3"])
     assert code == 0
     table = capsys.readouterr().out
     assert "speedup" in table and "verify_pct" in table and "round_over_bare" in table
@@ -189,6 +192,8 @@ def test_bench_decode_writes_table_and_csv(ckpts, tmp_path, capsys) -> None:
     assert names[0] == "greedy" and names[1:3] == ["self-spec h=2", "self-spec h=4"]
     assert any(n.startswith("tree h=4") for n in names) and any("auto" in n for n in names)
     assert "draft gamma=4" in names and "self-spec h=4 adaptive" in names
+    assert "lookup n=3" in names and "self-spec h=4 + lookup 3" in names
+    assert any(n.startswith("tree auto(5)") and n.endswith("+ lookup 3") for n in names)
     for r in rows:
         assert r["equal_to_greedy"] == "3/3", r["decoder"]
         assert float(r["L"]) >= 1 and r["torch"] == torch.__version__

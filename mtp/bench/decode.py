@@ -8,6 +8,8 @@ output-equality check, as a table and a CSV. `--oracle` adds decoders that draft
 greedy emits: an upper bound that measures the loop's own cost, whatever the heads are worth.
 `--transformers` adds transformers' own `generate` (greedy, prompt lookup) on the same weights,
 head 1 as a `LlamaForCausalLM` (`mtp.hf`), taking its turns on each prompt with mtp's decoders.
+Decoder `lookup` is prompt lookup in mtp's loop; `--lookup N` adds a twin of every heads' row
+whose rounds also verify prompt lookup's continuation as one more branch.
 The decoding flags are `mtp generate`'s (`mtp.decode_cli`).
 """
 
@@ -18,7 +20,7 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -42,6 +44,8 @@ class _Config:
     heads: int = 1
     tree: Tree | None = None
     gamma: int = 0
+    lookup: int = 0  # prompt lookup's most tokens per round (decoder lookup, or a branch)
+    ngram: int = 2
     adaptive: bool = False
     policy: Adaptive | None = None  # one for all of the config's calls: it learns across them
     stats: DecodeStats = field(default_factory=DecodeStats)
@@ -61,6 +65,8 @@ class _Config:
             kw.update(draft_model=draft, gamma=self.gamma)
         if self.decoder == "oracle":
             kw.update(reference=reference, gamma=self.gamma)
+        if self.lookup:
+            kw.update(lookup=self.lookup, lookup_ngram=self.ngram)
         return kw
 
 
@@ -250,10 +256,14 @@ def _configs(args, decoders: list[str], heads: list[int], tree: Tree) -> list[_C
                                 d, heads=h, tree=tree) for h in heads if h > 1]
         elif d == "draft":
             configs.append(_Config(f"draft gamma={args.gamma}", d, gamma=args.gamma))
+        elif d == "lookup":
+            n = args.lookup or 10
+            configs.append(_Config(f"lookup n={n}", d, lookup=n, ngram=args.lookup_ngram))
     if args.adaptive:
         for c in list(configs[1:]):
             configs.append(_Config(f"{c.name} adaptive", c.decoder, heads=c.heads,
-                                   tree=c.tree, gamma=c.gamma, adaptive=True))
+                                   tree=c.tree, gamma=c.gamma, lookup=c.lookup, ngram=c.ngram,
+                                   adaptive=True))
     if args.oracle and not sampled:
         configs += [_Config(f"oracle n={h - 1} (upper bound)", "oracle", gamma=h - 1)
                     for h in heads if h > 1]
@@ -316,6 +326,11 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         print(f"auto tree: {auto}")
         configs.append(_Config(f"tree auto({args.auto_tree}) h={k}", "tree", heads=k,
                                tree=auto))
+    if args.lookup:
+        # The heads' decoders again, each with prompt lookup's branch beside its drafts.
+        configs += [replace(c, name=f"{c.name} + lookup {args.lookup}", lookup=args.lookup,
+                            ngram=args.lookup_ngram, stats=DecodeStats(), seconds=[],
+                            outputs=[]) for c in configs if c.decoder in ("self-spec", "tree")]
     configs += [_Config(f"transformers {d}", d, library="transformers") for d in hf_decoders]
 
     batches = [prompts[i : i + args.batch_size] for i in range(0, len(prompts), args.batch_size)]

@@ -3,7 +3,8 @@
 `generate` validates a request and runs the one decode loop (`engine`) with one drafter
 (`drafters`): plain decoding proposes nothing; `self-spec` and `tree` draft with heads 2..h
 (parallel heads run as one stacked block, `heads`; chained heads run on their own drafts,
-`chain`); `draft` with a separate model. The acceptance rules
+`chain`); `draft` with a separate model; `lookup` copies drafts from the text so far (prompt
+lookup, `lookup`), alone or as one more branch beside the heads' drafts. The acceptance rules
 (`acceptance`) are exact: speculative greedy output is plain greedy output token for token, and
 speculative sampling draws from the distribution of plain sampling (`sampling`). `tree` holds the
 candidate trees, `stopper` the stop conditions, `stats` what a call did, and `policy` how many
@@ -21,6 +22,7 @@ from mtp.config import DECODERS
 from mtp.decoding.chain import ChainHeads
 from mtp.decoding.drafters import Drafter, DraftModel, HeadChain, HeadTree, Oracle
 from mtp.decoding.engine import Context, new_cache, run
+from mtp.decoding.lookup import Lookup, LookupChain
 from mtp.decoding.packed import packed_linears
 from mtp.decoding.policy import Adaptive, Fixed
 from mtp.decoding.sampling import Sampling, probs_from_logits, sample_from_logits
@@ -58,7 +60,7 @@ def _as_prompts(input_ids: torch.Tensor | Sequence[Sequence[int]]) -> list[list[
 
 
 def _problems(model, prompts, decoder, *, max_new_tokens, temperature, top_k, top_p, heads,
-              draft_model, gamma, reference, stop, decode) -> list[str]:
+              draft_model, gamma, reference, stop, decode, lookup, lookup_ngram) -> list[str]:
     """Everything wrong with a request, each naming its argument."""
     cfg = model.cfg
     problems = []
@@ -98,6 +100,17 @@ def _problems(model, prompts, decoder, *, max_new_tokens, temperature, top_k, to
         problems.append(f"top_p must be in (0, 1] (got {top_p})")
     if stop and decode is None:
         problems.append("stops need a `decode` function (token ids -> text)")
+    if lookup < 0 or lookup_ngram < 1:
+        problems.append(f"lookup must be >= 0 and lookup_ngram >= 1 (got {lookup}, "
+                        f"{lookup_ngram})")
+    if lookup and decoder not in ("self-spec", "tree", "lookup"):
+        problems.append(f"lookup drafts beside decoders 'self-spec' and 'tree' or alone "
+                        f"('lookup'), not with {decoder!r}")
+    if (lookup or decoder == "lookup") and temperature > 0:
+        problems.append("prompt lookup is verified greedily: it takes no temperature")
+    if lookup and decoder in ("self-spec", "tree") and model.chained:
+        problems.append(f"lookup beside chained heads (--model.head_type "
+                        f"{cfg.head_type}) is not supported; use parallel heads or 'lookup'")
     return problems
 
 
@@ -117,6 +130,8 @@ def generate(
     gamma: int = 4,
     adaptive: bool | Adaptive = False,
     reference: Sequence[Sequence[int]] | None = None,
+    lookup: int = 0,
+    lookup_ngram: int = 2,
     eot_id: int | None = None,
     stop: Sequence[Stop] = (),
     decode: Callable[[list[int]], str] | None = None,
@@ -131,7 +146,8 @@ def generate(
         max_new_tokens: the most new tokens per row.
         decoder: `greedy`, `sample` (baselines, one token per forward), `self-spec` (heads 2..h
             draft a chain), `tree` (heads 2..h draft a tree) or `draft` (a separate model drafts).
-            `oracle` drafts `reference` instead: an upper bound for measuring the loop itself.
+            `lookup` drafts by prompt lookup alone (`mtp.decoding.lookup`). `oracle` drafts
+            `reference` instead: an upper bound for measuring the loop itself.
         temperature: 0 or None is greedy for every decoder but `sample`, for which None means 1.
             Speculative decoders with temperature > 0 sample exactly from the same distribution
             as `sample`.
@@ -145,6 +161,10 @@ def generate(
             acceptance (`mtp.decoding.policy.Adaptive`); the output is unchanged. Pass one
             `Adaptive` to many calls to keep what it measured from call to call.
         reference: each row's continuation for `oracle` (e.g. greedy's output).
+        lookup: with `self-spec` or `tree`, also verify up to this many tokens copied by
+            prompt lookup, as one more branch of the round's tree; with `lookup`, the most
+            drafts a round copies (default 10). Greedy only.
+        lookup_ngram: prompt lookup matches the last lookup_ngram..1 tokens.
         eot_id: end-of-text token; a row stops after emitting it.
         stop: strings that end a row once its new text contains one, or predicates that end it
             once they hold of its new text and stay true as it grows (needs `decode`).
@@ -170,7 +190,7 @@ def generate(
     problems = _problems(model, prompts, decoder, max_new_tokens=max_new_tokens,
                          temperature=temperature, top_k=top_k, top_p=top_p, heads=heads,
                          draft_model=draft_model, gamma=gamma, reference=reference, stop=stop,
-                         decode=decode)
+                         decode=decode, lookup=lookup, lookup_ngram=lookup_ngram)
     window = model.cfg.max_seq_len
     if decoder == "draft" and draft_model is not None:
         window = min(window, draft_model.cfg.max_seq_len)
@@ -187,15 +207,22 @@ def generate(
     start = time.perf_counter()
     if max_new_tokens == 0:
         return [[] for _ in prompts], stats
-    if decoder in ("greedy", "sample") or (decoder in ("self-spec", "tree") and heads == 1):
+    one_head = decoder in ("self-spec", "tree") and heads == 1
+    if decoder in ("greedy", "sample") or (one_head and not lookup):
         # One head drafts nothing: plain decoding.
         drafter = Drafter()
+    elif decoder == "lookup" or one_head:
+        drafter = LookupChain(Lookup(lookup or 10, lookup_ngram))
+    elif decoder == "self-spec" and lookup:
+        # The heads' chain and the lookup's continuation: a tree of two branches.
+        drafter = HeadTree(model, heads, Tree.from_widths([1] * (heads - 1)),
+                           Lookup(lookup, lookup_ngram))
     elif decoder == "self-spec":
         drafter = ChainHeads(model, heads) if model.chained else HeadChain(model, heads)
     elif decoder == "tree":
         tree = tree or Tree.from_widths([3, 2] + [1] * max(0, model.cfg.n_future - 3))
         drafter = ChainHeads(model, heads, tree) if model.chained else \
-            HeadTree(model, heads, tree)
+            HeadTree(model, heads, tree, Lookup(lookup, lookup_ngram) if lookup else None)
     elif decoder == "draft":
         drafter = DraftModel(draft_model, gamma)
     else:

@@ -5,7 +5,8 @@ row), `commit` (after acceptance: run on the committed tokens) and `keep` (rows 
 
 - `Drafter` proposes nothing: plain greedy or sampling, one token per forward.
 - `HeadChain`: heads 2..h draft a chain (blockwise parallel decoding, Stern et al. 2018).
-- `HeadTree`: the top-k of heads 2..h form a candidate tree (Medusa).
+- `HeadTree`: the top-k of heads 2..h form a candidate tree (Medusa), with prompt lookup's
+  continuation as one more branch where asked (`mtp.decoding.lookup`).
 - `DraftModel`: a separate small model drafts a chain (Leviathan et al. 2023).
 - `Oracle`: drafts the tokens greedy will emit; an upper bound that measures the loop's cost
   independently of how good the heads are.
@@ -169,32 +170,54 @@ class HeadChain(Drafter):
 class HeadTree(HeadChain):
     """The top-k candidates of heads 2..h form a tree, verified in one forward with a tree mask
     (each node sees its ancestors) and positions lengths + depth; the cache keeps the accepted
-    path only."""
+    path only.
 
-    def __init__(self, model: MTPTransformer, heads: int, tree: Tree) -> None:
+    With `lookup` (`mtp.decoding.lookup.Lookup`), the prompt lookup's continuation is one more
+    branch from the root: the round keeps the longer of the two the target agrees with.
+    """
+
+    def __init__(self, model: MTPTransformer, heads: int, tree: Tree, lookup=None) -> None:
         super().__init__(model, heads)
         self.tree = tree.pruned(heads - 1)
         self.top = max(self.tree.widths(), default=1)
-        self.max_drafts = self.tree.depth
-        self.by_depth: dict[int, TreeTensors] = {}  # the tree cut to fewer levels near the end
+        self.lookup = lookup
+        extra = lookup.tokens if lookup is not None else 0
+        self.max_drafts = max(self.tree.depth, extra)
+        # The tree cut to fewer levels near the end, with a lookup branch of some length.
+        self.by_shape: dict[tuple[int, int], TreeTensors] = {}
 
     @property
     def slots_needed(self) -> int:
-        return len(self.tree.paths)
+        return len(self.tree.paths) + (self.lookup.tokens if self.lookup is not None else 0)
+
+    def start(self, ctx, prompts, trunk, pending) -> None:
+        super().start(ctx, prompts, trunk, pending)
+        if self.lookup is not None:
+            self.lookup.start(prompts)
 
     def _draft(self, ctx, logits) -> None:
         self.drafts = logits.topk(self.top, dim=-1).indices  # (B, h-1, top)
 
+    def _tensors(self, n: int, m: int, device: torch.device) -> TreeTensors:
+        if (n, m) not in self.by_shape:
+            self.by_shape[n, m] = TreeTensors.build(self.tree.pruned(n), device, chain=m)
+        return self.by_shape[n, m]
+
     def propose(self, ctx, pending, n) -> Proposal:
         self._catch_up_for(ctx, n)
-        if n not in self.by_depth:
-            self.by_depth[n] = TreeTensors.build(self.tree.pruned(n), pending.device)
-        tt = self.by_depth[n]
+        tt = self._tensors(n, 0, pending.device)
         # Node j holds candidate rank[j] of head depth[j] + 1; the root holds pending.
         tokens = self.drafts[:, (tt.depth - 1).clamp(min=0), tt.rank]  # (B, N+1)
         tokens[:, 0] = pending
+        m = 0
+        if self.lookup is not None:
+            chain = self.lookup.padded(ctx, n, pending.device)
+            m = chain.shape[1]
+            if m:
+                tt = self._tensors(n, m, pending.device)
+                tokens = torch.cat([tokens, chain], dim=1)
         ctx.timer.lap("tree")
-        return Proposal(tokens, n, tree=tt)
+        return Proposal(tokens, max(min(n, self.tree.depth), m), tree=tt)
 
 
 class DraftModel(Drafter):

@@ -114,19 +114,33 @@ class TreeTensors:
     path: torch.Tensor  # (N+1, D+1) nodes root..j, padded by repeating j
 
     @classmethod
-    def build(cls, tree: Tree, device: torch.device) -> TreeTensors:
+    def build(cls, tree: Tree, device: torch.device, chain: int = 0) -> TreeTensors:
+        """The tree's nodes, then `chain` more nodes in a chain below the root (a branch whose
+        tokens come from elsewhere, such as prompt lookup; their rank is 0)."""
         index = {p: j for j, p in enumerate(tree.paths)}
-        n, d = len(tree.paths), tree.depth
+        parent = [index[p[:-1]] if p else 0 for p in tree.paths]
+        n_tree = len(parent)
+        # The chain's first node hangs from the root, each later one from the node before.
+        parent += ([0] + list(range(n_tree, n_tree + chain - 1))) if chain else []
+        rank = [p[-1] if p else 0 for p in tree.paths] + [0] * chain
+        n = len(parent)
+        depth = [0] * n
+        for j in range(1, n):
+            depth[j] = depth[parent[j]] + 1
+        d = max(depth)
         anc = torch.zeros(n, n, dtype=torch.bool)
         path = torch.zeros(n, d + 1, dtype=torch.long)
-        for j, p in enumerate(tree.paths):
-            nodes = [index[p[:i]] for i in range(len(p) + 1)]
+        for j in range(n):
+            nodes = [j]
+            while nodes[-1]:
+                nodes.append(parent[nodes[-1]])
+            nodes.reverse()
             anc[j, nodes] = True
             path[j] = torch.tensor(nodes + [j] * (d + 1 - len(nodes)))
         return cls(
-            depth=torch.tensor([len(p) for p in tree.paths], device=device),
-            rank=torch.tensor([p[-1] if p else 0 for p in tree.paths], device=device),
-            parent=torch.tensor([index[p[:-1]] if p else 0 for p in tree.paths], device=device),
+            depth=torch.tensor(depth, device=device),
+            rank=torch.tensor(rank, device=device),
+            parent=torch.tensor(parent, device=device),
             ancestors=anc.to(device),
             path=path.to(device),
         )
