@@ -36,6 +36,8 @@ from mtp.eval.data import Benchmark, Task
 from mtp.eval.sandbox import ExecResult, Isolation, Limits, run_program
 from mtp.eval.wire import NOT_PLAIN, TOO_LARGE
 
+from mtp.atomic import write_json
+
 __all__ = ["Calibration", "Execution", "Plan", "TimePolicy", "calibrate", "data_paths", "plan",
            "prepare", "run_task", "task_limits"]
 
@@ -265,10 +267,7 @@ def calibrate(
                                   f"without a calibrated CPU limit", stacklevel=2)
                 known[_task_key(task)] = {"cpu": None if cpu is None else round(cpu, 4),
                                           "shared": why}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"machine": key, "tasks": known}, indent=0, sort_keys=True))
-        os.replace(tmp, path)
+        write_json(path, {"machine": key, "tasks": known}, indent=0, sort_keys=True)
     entries = {t.task_id: known[_task_key(t)] for t in tasks}
     return Calibration({k: v["cpu"] for k, v in entries.items()},
                        {k: v["shared"] for k, v in entries.items() if v["shared"]}, path)

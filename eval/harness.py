@@ -40,6 +40,8 @@ from mtp.eval.prompts import build_prompt, default_format, extract, is_chat, sto
 from mtp.eval.sandbox import ExecResult, Isolation, Limits, detect_isolation
 from tqdm import tqdm
 
+from mtp.atomic import write_json
+
 __all__ = [
     "Completer",
     "GenerationConfig",
@@ -124,6 +126,10 @@ class JsonlLog:
     def append(self, record: dict) -> None:
         """Write one record durably (thread-safe)."""
         line = json.dumps(record, ensure_ascii=False) + "\n"
+        try:
+            line.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate, e.g. in a completion's exception message
+            line = json.dumps(record) + "\n"  # as a \u escape: the same string, valid UTF-8
         with self._lock:
             self._file.write(line)
             self._file.flush()
@@ -536,10 +542,7 @@ def evaluate_completions(
     if generation is not None:
         summary["generation"] = generation
     if output_dir is not None:
-        path = Path(output_dir) / "summary.json"
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(summary, indent=2) + "\n")
-        os.replace(tmp, path)  # a crash never leaves half a summary
+        write_json(Path(output_dir) / "summary.json", summary, indent=2)
     return summary
 
 

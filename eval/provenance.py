@@ -23,6 +23,8 @@ from pathlib import Path
 
 from mtp.eval.data import Benchmark, DataError
 
+from mtp.atomic import rename, write_json
+
 __all__ = ["PROVENANCE", "RESULTS", "check_or_record", "code_revision", "path_digest",
            "tasks_digest"]
 
@@ -107,12 +109,10 @@ def check_or_record(output_dir: str | os.PathLike, produced: dict, *, fresh: boo
         moved = out / time.strftime("stale-%Y%m%d-%H%M%S")
         moved.mkdir()
         for p in [*results, *([record] if record.exists() else [])]:
-            os.replace(p, moved / p.name)
+            rename(p, moved / p.name)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:  # a file where a folder of the path should be, no permission ...
         raise DataError(f"--output {out}: cannot create it ({err.strerror})") from None
-    tmp = record.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(produced, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, record)
+    write_json(record, produced, indent=2, sort_keys=True)
     return moved

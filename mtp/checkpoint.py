@@ -11,14 +11,15 @@ written before the digests loads unchecked.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
 
+from mtp.atomic import atomic_write
 from mtp.config import ConfigError, InputError, MissingInput, ModelConfig
+from mtp.digests import DIGESTS, digest_mismatch, tensor_digests
 from mtp.model import MTPTransformer
 from mtp.vocab import check_vocab
 
@@ -27,38 +28,9 @@ EOT_TOKEN = ModelConfig.eot_token
 STATE_PREFIX = "model."
 
 
-#: The key, in a checkpoint's `mtp` entry, of the sha256 of each tensor of its `state_dict`.
-DIGESTS = "tensors_sha256"
-
-
 def mtp_metadata(cfg: ModelConfig, tokenizer: Tokenizer) -> dict:
     """The `mtp` entry of a checkpoint (without the digests of its tensors)."""
     return {"model_config": dataclasses.asdict(cfg), "tokenizer": tokenizer.to_str()}
-
-
-def _sha256(t: torch.Tensor) -> str:
-    h = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode())
-    data = t.detach().reshape(-1).contiguous().cpu()
-    h.update(data.view(torch.uint8).numpy())  # the bytes as stored, read in place (mmap too)
-    return h.hexdigest()
-
-
-def tensor_digests(state: dict) -> dict[str, str]:
-    """The sha256 of each tensor of a state dict (its dtype, shape and bytes), by name."""
-    return {k: _sha256(v) for k, v in state.items() if isinstance(v, torch.Tensor)}
-
-
-def digest_mismatch(want: dict[str, str], state: dict, path: str | os.PathLike) -> str | None:
-    """What is wrong, naming the file and the tensors, where `state`'s tensors differ from the
-    digests `want` recorded for them; None where they match."""
-    got = tensor_digests(state)
-    bad = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
-    if not bad:
-        return None
-    shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
-    which = f"tensor {shown} does" if len(bad) == 1 else f"tensors {shown} do"
-    return (f"{path} is corrupted: {which} not match the sha256 it records ({DIGESTS}); the "
-            "file changed after it was written (disk, copy or download): use an intact copy")
 
 
 def check_tensor_digests(ckpt: dict, path: str | os.PathLike) -> None:
@@ -75,14 +47,11 @@ def check_tensor_digests(ckpt: dict, path: str | os.PathLike) -> None:
 def save_checkpoint(path: str | os.PathLike, model: MTPTransformer, tokenizer: Tokenizer) -> None:
     """Write a minimal checkpoint (weights, config, tokenizer) readable by `load_checkpoint`.
 
-    Written to a temporary file and renamed, so an interrupted save never corrupts `path`.
+    Written atomically (`mtp.atomic`), so an interrupted save never corrupts `path`.
     """
-    path = Path(path)
     state = {STATE_PREFIX + k: v for k, v in model.state_dict().items()}
-    tmp = path.with_name(path.name + ".tmp")
     meta = {**mtp_metadata(model.cfg, tokenizer), DIGESTS: tensor_digests(state)}
-    torch.save({"state_dict": state, "mtp": meta}, tmp)
-    os.replace(tmp, path)
+    atomic_write(path, lambda tmp: torch.save({"state_dict": state, "mtp": meta}, tmp))
 
 
 def read_checkpoint(path: str | os.PathLike, *, mmap: bool = False) -> dict:

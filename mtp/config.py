@@ -237,12 +237,12 @@ class ModelConfig:
 #: The values of `--model.head_type` (`mtp.heads`).
 HEAD_TYPES: tuple[str, ...] = typing.get_args(typing.get_type_hints(ModelConfig)["head_type"])
 
-#: Named sizes. `debug` runs a step on CPU in milliseconds (tests, README); `cpu` is the default
-#: that trains on two CPU cores in minutes; the rest are GPU sizes (parameter counts at V = 32000,
-#: K = 4, matched to the K = 1 model of the same name).
 #: The decoders of `mtp.decoding.generate` (`mtp generate --decoder`).
 DECODERS = ("greedy", "sample", "self-spec", "tree", "draft", "lookup")
 
+#: Named sizes. `debug` runs a step on CPU in milliseconds (tests, README); `cpu` is the default
+#: that trains on two CPU cores in minutes; the rest are GPU sizes (parameter counts at V = 32000,
+#: K = 4, matched to the K = 1 model of the same name).
 MODEL_REGISTRY: dict[str, ModelConfig] = {
     "debug": ModelConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=2, n_future=2,
                          max_seq_len=64),

@@ -22,11 +22,12 @@ import torch
 from tokenizers import Tokenizer
 from torch.utils.data import ConcatDataset, DataLoader, Dataset, Sampler
 
+from mtp.atomic import atomic_write
 from mtp.bpe import _check_tokenizer, load_tokenizer, tokenizer_sample, train_tokenizer
 from mtp.checkpoint import EOT_TOKEN
 from mtp.config import DataConfig, InputError
 from mtp.corpus import SourceSpec, source_specs, spec_key
-from mtp.shards import SPLITS, atomic_write, build_shards, load_shards, locked, shard_root
+from mtp.shards import SPLITS, build_shards, load_shards, locked, shard_root
 
 # -- windows and samplers -----------------------------------------------------------------------
 

@@ -28,18 +28,18 @@ keep, the command that goes on from there, and exit status 128 + the signal.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import shlex
 import signal
-import tempfile
 import threading
 from pathlib import Path
 
 import lightning as L
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+from mtp.atomic import atomic_file, atomic_write
 
 __all__ = ["AtomicCheckpointIO", "Interruptible", "Stopped", "remove_stale_temporaries",
            "resume_command"]
@@ -61,21 +61,11 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             return super().save_checkpoint(checkpoint, path, storage_options)
         if storage_options is not None:
             raise TypeError("AtomicCheckpointIO takes no storage_options")
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=_tmp_prefix(path.name), suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                _lock(f, blocking=True)  # tells `remove_stale_temporaries` it is being written
-                torch.save(checkpoint, f)
-                f.flush()
-                os.fsync(f.fileno())
-                os.replace(tmp, path)  # while locked: the lock covers the file's whole life
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        _fsync_dir(path.parent)
+        # The lock tells `remove_stale_temporaries` the file is being written; it is held
+        # until the rename, so it covers the temporary file's whole life.
+        with atomic_file(path, "wb", prefix=_tmp_prefix(Path(path).name)) as f:
+            _lock(f, blocking=True)
+            torch.save(checkpoint, f)
 
 
 def _lock(f, *, blocking: bool) -> bool:
@@ -90,15 +80,6 @@ def _lock(f, *, blocking: bool) -> bool:
     except BlockingIOError:
         return False
     return True
-
-
-def _fsync_dir(folder: Path) -> None:
-    with contextlib.suppress(OSError):  # a rename survives a power cut once its folder is synced
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def remove_stale_temporaries(folder: str | os.PathLike) -> list[Path]:
@@ -134,10 +115,8 @@ def _link(path: Path, target: Path) -> Path:
     copy and is never half there; a copy where links are not supported."""
     if path.resolve() == target.resolve():
         return target
-    fd, tmp = tempfile.mkstemp(prefix=_tmp_prefix(target.name), suffix=".tmp",
-                               dir=target.parent)
-    os.close(fd)
-    try:
+
+    def link(tmp: Path) -> None:
         os.unlink(tmp)
         try:
             os.link(path, tmp)
@@ -145,12 +124,8 @@ def _link(path: Path, target: Path) -> Path:
             import shutil
 
             shutil.copyfile(path, tmp)
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(target.parent)
+
+    atomic_write(target, link, prefix=_tmp_prefix(target.name))
     return target
 
 

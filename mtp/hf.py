@@ -31,8 +31,9 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from mtp.checkpoint import DIGESTS, digest_mismatch, tensor_digests
+from mtp.atomic import fsync_file, rename
 from mtp.config import ModelConfig
+from mtp.digests import DIGESTS, digest_mismatch, tensor_digests
 from mtp.model import MTPTransformer
 
 MTP_CONFIG = "mtp_config.json"
@@ -217,9 +218,11 @@ def export(model: MTPTransformer, tokenizer: Tokenizer, output: str | os.PathLik
         _write_json(tmp / MTP_CONFIG, {"format_version": FORMAT_VERSION,
                                        "model_config": dataclasses.asdict(cfg),
                                        DIGESTS: digests})
+        for f in tmp.iterdir():
+            fsync_file(f)
         if output.exists():
             output.rmdir()  # empty, checked above
-        os.replace(tmp, output)
+        rename(tmp, output)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

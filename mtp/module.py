@@ -10,13 +10,9 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
-from mtp.checkpoint import (
-    DIGESTS,
-    check_checkpoint_config,
-    check_tensor_digests,
-    tensor_digests,
-)
+from mtp.checkpoint import check_checkpoint_config, check_tensor_digests
 from mtp.config import CompileConfig, ConfigError, LossConfig, ModelConfig, OptimConfig
+from mtp.digests import DIGESTS, tensor_digests
 from mtp.frozen import FrozenTrunk, heads_loss
 from mtp.loss import (
     MTPLossOutput,

@@ -33,6 +33,7 @@ import numpy as np
 from tokenizers import Tokenizer
 from tqdm.auto import tqdm
 
+from mtp.atomic import rename, write_json
 from mtp.checkpoint import EOT_TOKEN
 from mtp.config import InputError
 from mtp.corpus import SourceSpec, _check_split_sizes, _Reader, spec_key
@@ -51,34 +52,8 @@ CHECKPOINT_CHARS = 64 << 20
 # -- files --------------------------------------------------------------------------------------
 
 
-def _fsync_dir(path: Path) -> None:
-    # a rename is durable only once its directory is synced (POSIX; Windows cannot open one)
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: Path, write) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:  # a full disk, or a SIGINT / SIGTERM (`mtp.fault.Stopped`)
-        with suppress(OSError):
-            tmp.unlink()
-        raise
-    _fsync_dir(path.parent)
-
-
 def _write_json(path: Path, obj: dict) -> None:
-    atomic_write(path, lambda p: p.write_text(json.dumps(obj, indent=1)))
+    write_json(path, obj, indent=1)
 
 
 @contextmanager
@@ -294,8 +269,7 @@ def _finish(spec: SourceSpec, writer: _ShardWriter, root: Path, key: dict, state
     for split in SPLITS:
         meta[f"{split}_tokens"] = writer.tokens[split]
         meta["sha256"][split] = _sha256(writer.paths[split])
-        os.replace(writer.paths[split], root / f"{split}.bin")
-    _fsync_dir(root)
+        rename(writer.paths[split], root / f"{split}.bin")
     _write_json(root / "meta.json", meta)  # last: from here on the shard is trusted
     (root / "progress.json").unlink(missing_ok=True)
     return meta

@@ -151,6 +151,19 @@ def test_truncated_last_line_is_dropped_and_rerun(tmp_path, monkeypatch):
     assert len(records) == 3 and path.read_bytes().startswith(b"".join(lines[:-1]))
 
 
+def test_a_lone_surrogate_in_an_error_is_logged_and_read_back(tmp_path):
+    """A completion's exception message may hold a lone surrogate, which UTF-8 cannot encode:
+    the record is written with a JSON escape, and a rerun reads it back."""
+    bench = _humaneval(1)
+    completion = [{"task_id": bench.tasks[0].task_id, "sample": 0,
+                   "completion": '    raise ValueError("bad \\ud800 text")\n'}]
+    first = score(bench, completion, output_dir=tmp_path, limits=LIMITS)
+    again = score(bench, completion, output_dir=tmp_path, limits=LIMITS)
+    assert not first[0]["passed"] and "\ud800" in first[0]["error"]
+    assert again == first
+    (tmp_path / "samples.jsonl").read_bytes().decode("utf-8")  # valid UTF-8 throughout
+
+
 def test_corrupt_middle_line_is_an_error(tmp_path):
     path = tmp_path / "samples.jsonl"
     path.write_text('{"task_id": "HumanEval/0", "sample": 0}\n{oops\n{"a": 1}\n')

@@ -374,7 +374,8 @@ def _corrupt(path: Path, tensor: torch.Tensor) -> None:
 def test_a_corrupted_tensor_in_a_checkpoint_is_refused_naming_file_and_tensor(ckpt, tmp_path):
     import shutil
 
-    from mtp.checkpoint import DIGESTS, load_checkpoint
+    from mtp.checkpoint import load_checkpoint
+    from mtp.digests import DIGESTS
 
     bad = tmp_path / "bad.ckpt"
     shutil.copy(ckpt, bad)
@@ -396,7 +397,8 @@ def test_a_corrupted_tensor_in_an_export_is_refused_naming_file_and_tensor(ckpt,
 
     from safetensors.torch import load_file
 
-    from mtp.checkpoint import DIGESTS, load_checkpoint
+    from mtp.checkpoint import load_checkpoint
+    from mtp.digests import DIGESTS
     from mtp.hf import MTP_CONFIG, MTP_HEADS, ExportError, export, load_export
 
     model, tok = load_checkpoint(ckpt)

@@ -85,6 +85,8 @@ def accept_tree(
     ok = node_tokens == choice[:, tt.parent]  # (B, N+1): the parent chose this node's token
     ok[:, 0] = True
     ok = ok[:, tt.path].all(-1)  # (B, N+1): every token on the path root..j was chosen
-    # Siblings hold distinct tokens, so the accepted nodes form one chain: take its deepest.
+    # The heads' siblings hold distinct tokens, so their accepted nodes form one chain. A prompt
+    # lookup branch may repeat a sibling's token (greedy only: both chains are then greedy's
+    # tokens). Take the deepest accepted node.
     last = torch.where(ok, tt.depth + 1, 0).argmax(1)  # (B,)
     return last, choice[torch.arange(len(last), device=last.device), last]

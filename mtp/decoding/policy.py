@@ -29,15 +29,15 @@ class Adaptive(Fixed):
     Expected new tokens of a row for n drafts are E(n) = 1 + sum_{i <= n} prod_{j <= i} a_j,
     where a_j is the rate at which the draft at depth j was accepted given every earlier one was
     (the call's `DecodeStats`, starting from a prior of `prior` worth `prior_weight` rounds).
-    The cost c(B, n) of a round at batch size B is the running mean of the rounds measured at
-    that (B, n); where a batch size has not tried some n, c(B, n) is scaled from the nearest
-    batch size that has, by the ratio of a choice both measured. The first batch size tries
-    every n once; later ones (rows leave the batch) only what they cannot estimate. Rounds then
-    take the n of largest B * E(n) / c(B, n), and now and then try another n again (after 16
-    rounds, then twice as long each time the best choice holds), so costs and acceptance stay
-    measured when the best choice changes. n = 0 is plain decoding: where speculation does not
-    pay, rounds stop drafting, and heads 2..h stop running until drafts are wanted again
-    (`HeadChain` catches them up then).
+    The cost c(B, n) of a round at batch size B is an exponential moving average (weight
+    `smoothing` on the newest) of the rounds measured at that (B, n); where a batch size has not
+    tried some n, c(B, n) is scaled from the nearest batch size that has, by the ratio of a
+    choice both measured. The first batch size tries every n once; later ones (rows leave the
+    batch) only what they cannot estimate. Rounds then take the n of largest B * E(n) / c(B, n),
+    and now and then try another n again (after 16 rounds, then twice as long each time the best
+    choice holds), so costs and acceptance stay measured when the best choice changes. n = 0 is
+    plain decoding: where speculation does not pay, rounds stop drafting, and heads 2..h stop
+    running until drafts are wanted again (`HeadChain` catches them up then).
 
     One instance passed to many `generate` calls of the same model and drafter (as
     `adaptive=policy`) keeps its costs and acceptance from call to call, so a short call does
