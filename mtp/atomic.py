@@ -20,6 +20,12 @@ from typing import IO
 __all__ = ["atomic_file", "atomic_write", "fsync_dir", "fsync_file", "rename", "write_json",
            "write_text"]
 
+# The process's umask (read by setting it, then set back): a written file gets the mode a plain
+# open would give it, not mkstemp's owner-only 0600, so a shared cache or results folder stays
+# readable as before.
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+
 
 def fsync_dir(path: str | os.PathLike) -> None:
     """Make the renames in directory `path` durable (POSIX; where a directory cannot be opened,
@@ -52,6 +58,7 @@ def _temporary(path: Path, prefix: str | None) -> Iterator[tuple[int, Path]]:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=prefix or f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_UMASK)
         yield fd, Path(tmp)
     except BaseException:  # a full disk, or a SIGINT / SIGTERM (`mtp.fault.Stopped`)
         with suppress(OSError):

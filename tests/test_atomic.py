@@ -61,6 +61,19 @@ def test_a_write_that_fails_leaves_the_old_file_and_no_temporary(tmp_path, error
     assert os.listdir(tmp_path) == ["out.json"]
 
 
+@pytest.mark.parametrize("how", ["file", "path"])
+def test_a_written_file_has_the_mode_a_plain_write_gives(tmp_path, how):
+    """Not mkstemp's owner-only 0600: others read a shared cache or results folder as before."""
+    (tmp_path / "plain").write_text("x")
+    target = tmp_path / "out"
+    if how == "file":
+        with atomic.atomic_file(target, "w") as f:
+            f.write("x")
+    else:
+        atomic.atomic_write(target, lambda tmp: tmp.write_text("x"))
+    assert target.stat().st_mode == (tmp_path / "plain").stat().st_mode
+
+
 def test_rename_moves_a_folder_onto_an_empty_one(tmp_path):
     (tmp_path / "new").mkdir()
     (tmp_path / "new" / "x").write_text("1")
