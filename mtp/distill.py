@@ -89,9 +89,9 @@ def requests(root: Path, n: int, seed: int, style: str = "write") -> list[str]:
 
 def _load(model_arg: str, max_seq_len: int):
     """An mtp checkpoint or export, or a pretrained model (`--model.init_from`'s forms)."""
-    from mtp.bpe import load_tokenizer
     from mtp.checkpoint import load_checkpoint
     from mtp.config import ModelConfig
+    from mtp.data.bpe import load_tokenizer
     from mtp.hf import is_export, pretrained_config, pretrained_tokenizer, resolve_pretrained
     from mtp.model import build_model
 

@@ -204,7 +204,7 @@ def _check_resume_checkpoint(path: Path, model: ModelConfig) -> None:
 def _check_pretrained_tokenizer(path: Path, model: ModelConfig) -> None:
     """Before any data is read: the tokenizer of an `--model.init_from` run must exist, hold the
     end-of-text token and fit the pretrained embedding."""
-    from mtp.bpe import load_tokenizer
+    from mtp.data.bpe import load_tokenizer
 
     if not path.is_file():
         raise ConfigError(f"--data.tokenizer {path} does not exist (--model.init_from "

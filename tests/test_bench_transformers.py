@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import mtp.bench
-from mtp.bpe import train_tokenizer
 from mtp.checkpoint import save_checkpoint
 from mtp.config import ModelConfig
+from mtp.data.bpe import train_tokenizer
 from mtp.model import MTPTransformer
 
 TEXTS = ["def fib(n):\n    return n\n", "for i in range(10):\n    print(i)\n"]

@@ -3,10 +3,10 @@
 import pytest
 from data_helpers import datamodule
 
-from mtp.bpe import train_tokenizer
 from mtp.checkpoint import EOT_TOKEN
 from mtp.config import DataConfig
 from mtp.data import MTPDataModule
+from mtp.data.bpe import train_tokenizer
 
 
 def test_tokenizer_round_trips_and_has_end_of_text():

@@ -6,8 +6,8 @@ import json
 import pytest
 
 from mtp.config import DataConfig
-from mtp.corpus import _Reader, load_corpus, source_specs
 from mtp.data import MTPDataModule
+from mtp.data.corpus import DocumentReader, load_corpus, source_specs
 
 
 def test_unreadable_files_are_skipped_and_counted(tiny_corpus):
@@ -68,7 +68,7 @@ def test_hub_sources_stream_rows_and_name_the_source_on_errors(tmp_path, monkeyp
     assert len(corpus.train) + len(corpus.val) == 30
     assert calls == [("org/code", None, "train", True)]
     # resuming skips the consumed rows without tokenising them again
-    tail = list(_Reader(source_specs(cfg)[0], record=10, docs_read=10))
+    tail = list(DocumentReader(source_specs(cfg)[0], record=10, docs_read=10))
     assert [name for name, _ in tail] == [str(i) for i in range(10, 30)]
     with pytest.raises(ValueError, match=r"has no field 'text' \(--data\.text_field\)"):
         load_corpus(DataConfig(source="org/code"))

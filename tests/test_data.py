@@ -8,7 +8,6 @@ import torch
 from data_helpers import datamodule
 
 from mtp.config import ConfigError, DataConfig
-from mtp.corpus import SourceSpec
 from mtp.data import (
     MixtureSampler,
     MTPDataModule,
@@ -16,6 +15,7 @@ from mtp.data import (
     TokenWindows,
     unigram_entropy,
 )
+from mtp.data.corpus import SourceSpec
 
 
 def test_bad_data_configs_name_the_flag():

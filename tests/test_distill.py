@@ -9,10 +9,10 @@ import pytest
 import torch
 from mtp.eval.chat import ChatTemplate
 
-from mtp.bpe import train_tokenizer
 from mtp.checkpoint import save_checkpoint
 from mtp.cli import main
 from mtp.config import ModelConfig
+from mtp.data.bpe import train_tokenizer
 from mtp.decoding import generate
 from mtp.distill import requests
 from mtp.model import MTPTransformer

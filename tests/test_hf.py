@@ -11,9 +11,9 @@ import torch
 import transformers
 from tokenizers import Tokenizer
 
-from mtp.bpe import train_tokenizer
 from mtp.checkpoint import EOT_TOKEN, load_checkpoint, save_checkpoint
 from mtp.config import ModelConfig
+from mtp.data.bpe import train_tokenizer
 from mtp.decoding import generate
 from mtp.hf import ExportError, export, load_export
 from mtp.model import MTPTransformer

@@ -11,9 +11,9 @@ import pytest
 import torch
 import transformers
 
-from mtp.bpe import train_tokenizer
 from mtp.checkpoint import load_checkpoint
 from mtp.config import ModelConfig
+from mtp.data.bpe import train_tokenizer
 from mtp.decoding import generate
 from mtp.hf import ExportError, export, init_from_pretrained, pretrained_config
 from mtp.loss import head_metrics, mtp_inputs_targets

@@ -16,10 +16,10 @@ pytest.importorskip("transformers")
 import lm_eval  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
-from mtp.bpe import train_tokenizer  # noqa: E402
 from mtp.checkpoint import save_checkpoint  # noqa: E402
 from mtp.cli import main  # noqa: E402
 from mtp.config import ModelConfig  # noqa: E402
+from mtp.data.bpe import train_tokenizer  # noqa: E402
 from mtp.hf import export  # noqa: E402
 from mtp.lmeval import MTPLM  # noqa: E402
 from mtp.model import MTPTransformer  # noqa: E402

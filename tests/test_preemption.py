@@ -112,10 +112,10 @@ class Record(L.Callback):
 
 
 def pause_tokenising(folder: str) -> None:
-    """Pause `mtp.shards` at its first batch of documents (no callback runs that early)."""
-    import mtp.shards
+    """Pause `mtp.data.shards` at its first batch of documents (no callback runs that early)."""
+    import mtp.data.shards
 
-    batches = mtp.shards._batches
+    batches = mtp.data.shards.document_batches
 
     def paused(reader):
         for i, batch in enumerate(batches(reader)):
@@ -123,7 +123,7 @@ def pause_tokenising(folder: str) -> None:
                 _pause(Path(folder), "tokenising")
             yield batch
 
-    mtp.shards._batches = paused
+    mtp.data.shards.document_batches = paused
 
 
 # -- the test side ------------------------------------------------------------------------------

@@ -131,8 +131,8 @@ def placeholders(tmp_path_factory) -> dict[str, str]:
     import torch
     from mtp.eval.data import load_benchmark
 
-    from mtp.bpe import train_tokenizer
     from mtp.checkpoint import save_checkpoint
+    from mtp.data.bpe import train_tokenizer
     from mtp.model import MTPTransformer
 
     d = tmp_path_factory.mktemp("readme")

@@ -15,13 +15,13 @@ import pytest
 from data_helpers import datamodule
 from tokenizers import Tokenizer
 
-import mtp.encoder_pool
-import mtp.shards
-from mtp.bpe import tokenizer_sample, train_tokenizer
+import mtp.data.encoder_pool
+import mtp.data.shards
 from mtp.checkpoint import EOT_TOKEN
 from mtp.config import DataConfig
-from mtp.corpus import load_corpus, source_specs
-from mtp.shards import build_shards, load_shards
+from mtp.data.bpe import tokenizer_sample, train_tokenizer
+from mtp.data.corpus import load_corpus, source_specs
+from mtp.data.shards import build_shards, load_shards
 
 
 def test_token_shards_are_cached_and_rebuilt_on_change(tiny_corpus, tmp_path):
@@ -60,7 +60,7 @@ def _shard_bytes(root):
 
 def test_shards_are_identical_for_any_worker_count(tiny_corpus, tmp_path, monkeypatch):
     # many batches, so the order of results matters
-    monkeypatch.setattr(mtp.encoder_pool, "BATCH_DOCS", 3)
+    monkeypatch.setattr(mtp.data.encoder_pool, "BATCH_DOCS", 3)
     spec, tok = _spec_and_tokenizer(tiny_corpus)
     metas = [build_shards(spec, tok, tmp_path / f"w{w}", workers=w) for w in (1, 2)]
     assert metas[0] == metas[1] and metas[0]["skipped_files"] == 1
@@ -77,14 +77,14 @@ def test_shards_are_identical_for_any_worker_count(tiny_corpus, tmp_path, monkey
 def _build_slowly_then_exit(spec, tok_json, root):
     """Runs in a forked child: small batches and checkpoints, and a pause per document, so the
     parent can kill it midway."""
-    mtp.encoder_pool.BATCH_DOCS, mtp.shards.CHECKPOINT_DOCS = 2, 4
-    write = mtp.shards._ShardWriter.write
+    mtp.data.encoder_pool.BATCH_DOCS, mtp.data.shards.CHECKPOINT_DOCS = 2, 4
+    write = mtp.data.shards._ShardWriter.write
 
     def slow_write(self, split, ids):
         time.sleep(0.02)
         write(self, split, ids)
 
-    mtp.shards._ShardWriter.write = slow_write
+    mtp.data.shards._ShardWriter.write = slow_write
     build_shards(spec, Tokenizer.from_str(tok_json), root, workers=2)
     os._exit(0)
 
@@ -118,7 +118,7 @@ def test_killed_tokenisation_resumes_to_identical_shards(tiny_corpus, tmp_path, 
         time.sleep(0.01)  # the workers die with their parent rather than block forever
     assert time.monotonic() < deadline, "tokeniser workers outlived the killed process"
 
-    with caplog.at_level(logging.INFO, logger="mtp.shards"):
+    with caplog.at_level(logging.INFO, logger="mtp.data.shards"):
         resumed = build_shards(spec, tok, root, workers=2)
     assert "resuming" in caplog.text
     assert resumed == reference
@@ -130,9 +130,9 @@ def test_bytes_written_after_the_last_checkpoint_are_dropped(tiny_corpus, tmp_pa
                                                              monkeypatch):
     spec, tok = _spec_and_tokenizer(tiny_corpus)
     reference = build_shards(spec, tok, tmp_path / "ref", workers=2)
-    monkeypatch.setattr(mtp.encoder_pool, "BATCH_DOCS", 2)
-    monkeypatch.setattr(mtp.shards, "CHECKPOINT_DOCS", 4)
-    write, calls = mtp.shards._ShardWriter.write, []
+    monkeypatch.setattr(mtp.data.encoder_pool, "BATCH_DOCS", 2)
+    monkeypatch.setattr(mtp.data.shards, "CHECKPOINT_DOCS", 4)
+    write, calls = mtp.data.shards._ShardWriter.write, []
 
     def crash_after_15(self, split, ids):
         calls.append(split)
@@ -140,7 +140,7 @@ def test_bytes_written_after_the_last_checkpoint_are_dropped(tiny_corpus, tmp_pa
             raise RuntimeError("simulated crash")
         write(self, split, ids)
 
-    monkeypatch.setattr(mtp.shards._ShardWriter, "write", crash_after_15)
+    monkeypatch.setattr(mtp.data.shards._ShardWriter, "write", crash_after_15)
     root = tmp_path / "crashed"
     with pytest.raises(RuntimeError, match="simulated crash"):
         build_shards(spec, tok, root, workers=2)
@@ -148,7 +148,7 @@ def test_bytes_written_after_the_last_checkpoint_are_dropped(tiny_corpus, tmp_pa
     assert sum(progress["documents"].values()) == 12
     assert sum((root / f"{s}.bin.partial").stat().st_size for s in ("train", "val")) > \
         sum(progress["bytes"].values()), "the crash must leave bytes beyond the checkpoint"
-    monkeypatch.setattr(mtp.shards._ShardWriter, "write", write)
+    monkeypatch.setattr(mtp.data.shards._ShardWriter, "write", write)
     assert build_shards(spec, tok, root, workers=1) == reference
     assert _shard_bytes(root) == _shard_bytes(tmp_path / "ref")
 

@@ -22,8 +22,8 @@ from mtp.config import (
     OptimConfig,
     read_yaml_mapping,
 )
-from mtp.corpus import _local_files, load_corpus
 from mtp.data import MTPDataModule, ResumableSampler
+from mtp.data.corpus import _local_files, load_corpus
 from mtp.module import MTPModule, TokenizerInCheckpoint
 
 TINY = ModelConfig(vocab_size=300, d_model=16, n_layers=1, n_heads=2, n_future=2, max_seq_len=16)
@@ -52,7 +52,7 @@ def test_glob_source_reads_each_file_once_through_directory_links(tmp_path):
     # in bounded memory (first, in a child: unbounded, it would take this process down): a
     # child that may not grow past 2 GiB of address space lists them all
     code = (f"import resource; resource.setrlimit(resource.RLIMIT_AS, ({2**31}, {2**31}))\n"
-            f"from mtp.corpus import _local_files\n"
+            f"from mtp.data.corpus import _local_files\n"
             f"print(len(_local_files({str(corpus / '**' / '*.py')!r})))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60)
@@ -86,11 +86,11 @@ def test_a_named_pipe_is_never_a_document(tmp_path, form):
 
 
 def test_a_file_replaced_by_a_pipe_after_listing_is_skipped_not_waited_on(tmp_path, caplog):
-    from mtp.corpus import _read_text
+    from mtp.data.corpus import _read_text
 
     path = tmp_path / "x.py"
     os.mkfifo(path)
-    with caplog.at_level(logging.WARNING, logger="mtp.corpus"):
+    with caplog.at_level(logging.WARNING, logger="mtp.data.corpus"):
         assert _read_text(path) is None
     assert f"skipping {path}: not a regular file" in caplog.text
 
@@ -99,7 +99,7 @@ def test_binary_files_are_skipped_with_a_warning_naming_them(tmp_path, caplog):
     corpus = _corpus(tmp_path)
     (corpus / "zeros.py").write_bytes(b"\0" * 4096)
     (corpus / "sub" / "mixed.py").write_bytes(b"x = 1\n\0\0\0y = 2\n")
-    with caplog.at_level(logging.WARNING, logger="mtp.corpus"):
+    with caplog.at_level(logging.WARNING, logger="mtp.data.corpus"):
         docs = load_corpus(DataConfig(source=str(corpus), val_fraction=0.3))
     assert docs.skipped == 2 and len(docs.train) + len(docs.val) == 12
     assert not any("\0" in d for d in docs.train + docs.val)

@@ -94,8 +94,8 @@ def test_resume_with_another_tokenizer_is_refused(tiny_corpus, tmp_path):
     ckpt = tmp_path / "a.ckpt"
     _fit(tiny_corpus, tmp_path, 2, save_to=ckpt)
     other = tmp_path / "other.json"
-    from mtp.bpe import train_tokenizer
-    from mtp.corpus import load_corpus
+    from mtp.data.bpe import train_tokenizer
+    from mtp.data.corpus import load_corpus
 
     # same size, other merges: BPE trained on the corpus read backwards
     docs = load_corpus(DataConfig(source=str(tiny_corpus))).train

@@ -71,9 +71,9 @@ def _tokenizer(args: argparse.Namespace, corpus: Path) -> Path:
         return Path(args.tokenizer)
     path = Path(args.dir) / f"tokenizer-v{args.vocab}-{corpus.name}.json"
     if not path.is_file():
-        from mtp.bpe import tokenizer_sample, train_tokenizer
         from mtp.config import DataConfig
-        from mtp.corpus import source_specs
+        from mtp.data.bpe import tokenizer_sample, train_tokenizer
+        from mtp.data.corpus import source_specs
 
         budget = int(args.tokenizer_train_mb * MIB)
         specs = source_specs(DataConfig(source=str(corpus)))
@@ -119,8 +119,8 @@ def _run(spec: dict) -> dict:
     from tokenizers import Tokenizer
 
     from mtp.config import DataConfig
-    from mtp.corpus import source_specs
-    from mtp.shards import build_shards
+    from mtp.data.corpus import source_specs
+    from mtp.data.shards import build_shards
 
     source = source_specs(DataConfig(source=spec["corpus"]))[0]
     tokenizer = Tokenizer.from_file(spec["tokenizer"])

@@ -2,7 +2,7 @@
 
 `tokenizer_sample` draws the training text from the sources by weight; `train_tokenizer` trains
 on at most a given number of bytes of it; `load_tokenizer` reads a `tokenizer.json`, and
-`_check_tokenizer` checks a given one against the model's vocabulary and end-of-text token.
+`check_tokenizer` checks a given one against the model's vocabulary and end-of-text token.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from mtp.checkpoint import EOT_TOKEN
 from mtp.config import InputError, MissingInput
-from mtp.corpus import SourceSpec, _is_val, _Reader
+from mtp.data.corpus import DocumentReader, SourceSpec, in_validation
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int, max_bytes: int,
@@ -50,10 +50,10 @@ def tokenizer_sample(specs: list[SourceSpec], max_bytes: int) -> Iterator[str]:
     total = sum(spec.weight for spec in specs)
     for spec in specs:
         budget, seen = max_bytes * spec.weight / total, 0
-        for name, text in _Reader(spec):
+        for name, text in DocumentReader(spec):
             if seen >= budget:
                 break
-            if not _is_val(name, spec.val_fraction):
+            if not in_validation(name, spec.val_fraction):
                 seen += len(text)
                 yield text
 
@@ -74,7 +74,7 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
         raise InputError(f"--data.tokenizer {path} is not a valid tokenizer.json: {err}") from err
 
 
-def _check_tokenizer(tok: Tokenizer, vocab_size: int, source: str, eot_token: str) -> None:
+def check_tokenizer(tok: Tokenizer, vocab_size: int, source: str, eot_token: str) -> None:
     if tok.token_to_id(eot_token) is None:
         raise InputError(f"--data.tokenizer {source} has no end-of-text token {eot_token!r} "
                          f"(--model.eot_token)")

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from tokenizers import Tokenizer
 
-from mtp.corpus import _is_val, _Reader
+from mtp.data.corpus import DocumentReader, in_validation
 
 # A batch is what one worker encodes at a time: large enough that pickling and the pipe cost
 # little next to the encoding, small enough that the batches in flight hold a few MiB.
@@ -38,11 +38,11 @@ class _Batch:
     chars: int = 0
 
 
-def _batches(reader: _Reader) -> Iterator[_Batch]:
+def document_batches(reader: DocumentReader) -> Iterator[_Batch]:
     batch = _Batch()
     for name, text in reader:
         batch.texts.append(text)
-        batch.val.append(_is_val(name, reader.spec.val_fraction))
+        batch.val.append(in_validation(name, reader.spec.val_fraction))
         batch.states.append(reader.state())
         batch.chars += len(text)
         if len(batch.texts) >= BATCH_DOCS or batch.chars >= BATCH_CHARS:
@@ -107,7 +107,7 @@ def _serial_tokenizers_env() -> Iterator[None]:
             os.environ.pop("TOKENIZERS_PARALLELISM", None)
 
 
-class _EncoderPool:
+class EncoderPool:
     """`workers` processes encoding batches; `map` returns results in input order, reading the
     input only as far as 2 x workers batches ahead of what the caller has taken."""
 

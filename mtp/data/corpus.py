@@ -2,8 +2,8 @@
 
 A source is the standard library, a Hugging Face dataset, or local files (a path, directory or
 glob of .py / .txt files and .jsonl / .json / .parquet tables); `source_specs` lists a data
-config's sources. `_Reader` streams a source's non-empty documents one at a time, resumable at
-any record; a hash of each document's name puts it in the training or the validation split.
+config's sources. `DocumentReader` streams a source's non-empty documents one at a time, resumable
+at any record; a hash of each document's name puts it in the training or the validation split.
 `load_corpus` holds one source in memory, for tests and inspection.
 """
 
@@ -179,7 +179,7 @@ def spec_key(spec: SourceSpec) -> dict:
     return key
 
 
-def _is_val(name: str, val_fraction: float) -> bool:
+def in_validation(name: str, val_fraction: float) -> bool:
     # A hash of the document's name, not its position, decides the split: adding a file to the
     # corpus never moves another file between train and validation.
     h = int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "big")
@@ -268,7 +268,7 @@ def _records(spec: SourceSpec, start: int) -> Iterator[tuple[str, str | None]]:
             record += 1
 
 
-class _Reader:
+class DocumentReader:
     """The non-empty documents of a source in reading order, resumable at any record.
 
     `record` (records consumed), `docs_read` (readable records, for max_documents) and `skipped`
@@ -306,7 +306,7 @@ class Corpus:
     """Files that could not be read, were not UTF-8 or were binary (held a NUL byte)."""
 
 
-def _check_split_sizes(spec: SourceSpec, n_train: int, n_val: int, skipped: int) -> None:
+def check_split_sizes(spec: SourceSpec, n_train: int, n_val: int, skipped: int) -> None:
     if n_train + n_val == 0:
         raise InputError(f"{spec.label} holds no non-empty documents "
                          f"({skipped} files skipped as unreadable, not UTF-8 or binary)")
@@ -323,11 +323,11 @@ def load_corpus(cfg: DataConfig) -> Corpus:
     shards and never holds a corpus. The split is the one the shards get.
     """
     spec = source_specs(cfg)[0]
-    reader = _Reader(spec)
+    reader = DocumentReader(spec)
     train, val = [], []
     for name, text in reader:
-        (val if _is_val(name, spec.val_fraction) else train).append(text)
-    _check_split_sizes(spec, len(train), len(val), reader.skipped)
+        (val if in_validation(name, spec.val_fraction) else train).append(text)
+    check_split_sizes(spec, len(train), len(val), reader.skipped)
     if not val:
         val.append(train.pop())
     return Corpus(train=train, val=val, skipped=reader.skipped)

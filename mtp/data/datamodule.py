@@ -1,12 +1,5 @@
-"""Token windows with K targets, their samplers, and the LightningDataModule.
-
-source(s) (stdlib / Hugging Face / local files, or a weighted mixture of them) -> documents
-streamed one at a time, split by a hash of their name (`mtp.corpus`) -> byte-level BPE (trained
-on a bounded sample of the training split, or loaded: `mtp.bpe`) -> per source, one token file
-per split with an end-of-text token after each document (`mtp.shards`) -> windows of
-seq_len + K tokens, so head i finds its targets i positions ahead; a mixture draws each window's
-source by weight (here).
-"""
+"""Token windows with K targets, their samplers, and the LightningDataModule that builds them
+from a data config (sources -> tokenizer -> shards -> windows; see :mod:`mtp.data`)."""
 
 from __future__ import annotations
 
@@ -23,11 +16,11 @@ from tokenizers import Tokenizer
 from torch.utils.data import ConcatDataset, DataLoader, Dataset, Sampler
 
 from mtp.atomic import atomic_write
-from mtp.bpe import _check_tokenizer, load_tokenizer, tokenizer_sample, train_tokenizer
 from mtp.checkpoint import EOT_TOKEN
 from mtp.config import DataConfig, InputError
-from mtp.corpus import SourceSpec, source_specs, spec_key
-from mtp.shards import SPLITS, build_shards, load_shards, locked, shard_root
+from mtp.data.bpe import check_tokenizer, load_tokenizer, tokenizer_sample, train_tokenizer
+from mtp.data.corpus import SourceSpec, source_specs, spec_key
+from mtp.data.shards import SPLITS, build_shards, load_shards, locked, shard_root
 
 # -- windows and samplers -----------------------------------------------------------------------
 
@@ -179,7 +172,7 @@ class MTPDataModule(L.LightningDataModule):
         cfg = self.cfg
         if cfg.tokenizer is not None:
             tok = load_tokenizer(cfg.tokenizer)
-            _check_tokenizer(tok, self.vocab_size, cfg.tokenizer, self.eot_token)
+            check_tokenizer(tok, self.vocab_size, cfg.tokenizer, self.eot_token)
             return tok
         mixture: list = [{"key": k, "weight": s.weight} for s, k in zip(specs, keys)]
         if self.eot_token != EOT_TOKEN:  # as in `shard_root`

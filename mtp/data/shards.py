@@ -2,7 +2,7 @@
 verified on loading.
 
 Tokenisation never holds the corpus: documents stream from the source's reader to
-`--data.tokenize_workers` processes (`mtp.encoder_pool`) and their token ids are appended in
+`--data.tokenize_workers` processes (`mtp.data.encoder_pool`) and their token ids are appended in
 document order, each document followed by an end-of-text token, so the shards are
 byte-identical for any worker count. A shard is built as `{train,val}.bin.partial` plus
 `progress.json`, a checkpoint (bytes of each file, records consumed, counters) written after an
@@ -36,8 +36,8 @@ from tqdm.auto import tqdm
 from mtp.atomic import rename, write_json
 from mtp.checkpoint import EOT_TOKEN
 from mtp.config import InputError
-from mtp.corpus import SourceSpec, _check_split_sizes, _Reader, spec_key
-from mtp.encoder_pool import _batches, _EncoderPool
+from mtp.data.corpus import DocumentReader, SourceSpec, check_split_sizes, spec_key
+from mtp.data.encoder_pool import EncoderPool, document_batches
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +203,7 @@ def _build_locked(spec: SourceSpec, tokenizer: Tokenizer, root: Path, workers: i
         state = {"record": 0, "docs_read": 0, "skipped": 0,
                  "documents": dict.fromkeys(SPLITS, 0), "train_last_doc": -1}
     writer = _ShardWriter(root, dtype, progress and progress["bytes"])
-    reader = _Reader(spec, state["record"], state["docs_read"], state["skipped"])
+    reader = DocumentReader(spec, state["record"], state["docs_read"], state["skipped"])
 
     def checkpoint() -> None:
         writer.sync()  # the data first: the record must never claim bytes that are not on disk
@@ -212,10 +212,10 @@ def _build_locked(spec: SourceSpec, tokenizer: Tokenizer, root: Path, workers: i
 
     bar = tqdm(desc=f"tokenising {spec.source}", unit="tok", unit_scale=True,
                initial=sum(writer.tokens.values()), smoothing=0.1)
-    pool = _EncoderPool(tokenizer, eot, dtype, workers)
+    pool = EncoderPool(tokenizer, eot, dtype, workers)
     stopped, since_docs, since_chars = False, 0, 0
     try:
-        for batch, ids, lengths in pool.map(_batches(reader)):
+        for batch, ids, lengths in pool.map(document_batches(reader)):
             ends = np.cumsum(lengths)
             for i, end in enumerate(ends):
                 split = "val" if batch.val[i] else "train"
@@ -249,7 +249,7 @@ def _finish(spec: SourceSpec, writer: _ShardWriter, root: Path, key: dict, state
             stopped: bool, tokenizer: Tokenizer, eot_token: str) -> dict:
     docs = state["documents"]
     try:
-        _check_split_sizes(spec, docs["train"], docs["val"], state["skipped"])
+        check_split_sizes(spec, docs["train"], docs["val"], state["skipped"])
         if stopped:
             writer.truncate("train", spec.max_tokens)
         if not docs["val"]:  # a tiny corpus: hold out one document rather than validate on none
