@@ -1,10 +1,11 @@
 """The programs that run inside the sandbox, first thing in each fresh interpreter.
 
-:mod:`mtp.eval.sandbox` starts ``python -I -B -c SOURCE WORKDIR TAG``, where SOURCE is the text of
-:mod:`mtp.eval.wire`, then this module, then a call of one of the three entry points below. They
-are trusted code: each reads its orders from ``WORKDIR/.orders`` (and deletes it), sets the
-resource limits, drops to the sample's uid, and only then touches untrusted code. Verdicts go
-to the harness as :mod:`mtp.eval.wire` messages on a pipe of their own.
+:mod:`mtp.eval.sandbox.processes` starts ``python -I -S -B`` on a program compiled from the text
+of :mod:`mtp.eval.wire`, then this module, then a call of one of the three entry points below
+with ``WORKDIR``. They are trusted code: each reads its orders from ``WORKDIR/.orders`` (and
+deletes it), sets the resource limits, drops to the sample's uid, and only then touches
+untrusted code. Verdicts go to the harness as :mod:`mtp.eval.wire` messages on a pipe of their
+own.
 
 * `serve_candidate`: runs the completion as module ``candidate``, then answers calls that arrive
   on a pipe, one at a time, with plain data (:mod:`mtp.eval.wire`). It never sees the tests.

@@ -18,8 +18,7 @@ import warnings
 from pathlib import Path
 
 import pytest
-from mtp.eval import isolation
-from mtp.eval.sandbox import ExecResult, Limits, detect_isolation, run_program
+from mtp.eval.sandbox import ExecResult, Limits, detect_isolation, isolation, run_program
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the sandbox needs Linux")
 

@@ -1,72 +1,5 @@
-"""Run untrusted completions: completion and tests in separate sandboxed interpreters.
-
-**Two processes per sample.** The completion runs in one fresh ``python -I -S``; the benchmark's
-tests run in another that never executes completion code. The tests reach the functions they call
-(the entry point) through proxies: each call crosses a pipe as a message, is answered by the
-completion's process, and its result crosses back (:mod:`mtp.eval.inside`, :mod:`mtp.eval.wire`).
-Arguments and results cross as plain data only (None, bool, int, float, complex, str, bytes, and
-lists, tuples, dicts, sets and frozensets of them, matched by exact type), rebuilt on arrival as
-fresh builtin objects; anything else fails the sample with its type named. Exceptions the
-completion raises reach the tests as exceptions of the nearest builtin class, with their args.
-The tests' process reports to the harness on a pipe of its own, which the completion never
-holds; the harness decides with both processes' exit statuses. So none of these can pass:
-
-* a value that lies about equality (an object whose ``__eq__`` is always true, or a subclass of
-  ``int`` or ``str`` with one): it cannot cross;
-* reading or rewriting the harness's memory, walking frames or the heap: the harness is not in
-  the completion's process, and the verdict channel is not among its descriptors;
-* patching builtins or modules, a trace function that skips ``assert``: they change the
-  completion's interpreter only;
-* exiting early (``os._exit(0)``), writing fake verdicts on every descriptor, or printing a
-  marker: the tests see a broken channel, and a broken channel fails the sample whatever the
-  tests do with the exception (``except BaseException`` included);
-* leaving a background process: the completion's process counts and kills the others at the end
-  (the PID namespace or the per-sample uid kills them in any case).
-
-Tasks whose tests need more than calls (MBPP task 367 builds its inputs from the completion's
-``Node`` class) run with ``shared=True``: completion, then tests, in one interpreter, with a
-random token the verdict must carry, the builtins and the tests' modules snapshotted and
-compared, and an audit hook on trace functions. That design does not close the two holes above
-(a completion that walks frames finds the token); :mod:`mtp.eval.execution` decides which tasks
-need it, and the results mark them.
-
-**Layers**, outermost first (``bwrap`` mode), for each of the two interpreters:
-
-* bubblewrap: read-only bind of ``/``; ``/root``, ``/home``, ``/run`` ... hidden under read-only
-  tmpfs (the Python installation is bound back when it lives there); a private working directory
-  mounted at ``/tmp``; fresh ``/dev`` and ``/proc``; new PID, network, IPC, UTS and cgroup
-  namespaces (so there is no network, and everything the sample starts dies with it);
-  ``--die-with-parent``, ``--new-session``, ``--clearenv`` and ``no_new_privs``.
-* A fresh uid per interpreter when the harness runs as root (a random unprivileged uid, dropped
-  to before any untrusted code runs). The kernel exempts root from ``RLIMIT_NPROC``, so this is
-  what lets that limit bound a fork bomb (without root, bwrap's fresh user namespace does, since
-  its process count starts from zero); it also means the sample can signal nothing but its own
-  processes, and cannot reach the tests' process, which is in another PID namespace too.
-* Resource limits: address space, CPU time (``Limits.cpu_seconds``, per task from
-  :mod:`mtp.eval.execution`), file size, open files, processes, no core dumps; a memory cgroup
-  for all the completion's processes together where one can be made (``Isolation.memory_cgroup``:
-  cgroup v2, else the v1 memory hierarchy); plus a wall-clock backstop enforced from outside and
-  capped captured output.
-
-Where bubblewrap is missing or refused, :func:`detect_isolation` falls back to ``unshare`` (new
-PID + network namespaces), then to a bare process in its own session; it warns once and the
-result says which isolation held. In the ``process`` fallback without a fresh uid the
-completion runs as the harness's user and could reach the tests' process (and the host).
-
-Limits of the isolation: without a memory cgroup, memory is bounded per process (address
-space), so a fork bomb that also allocates can reach ``processes x memory_bytes``; disk use in
-the private directory is bounded per file, not in total; in the weakest fallback (``process``,
-no PID namespace, no fresh uid) a double-forked process that calls ``setsid`` and ``exec``
-escapes the clean-up. The completion's sandbox sees the read-only root, benchmark files
-included, except the directories `run_program` is told to hide: the harness hides the
-benchmark's own data (:func:`mtp.eval.execution.data_paths`), so a completion cannot look its
-answers up there.
-
-**Modules.** :mod:`mtp.eval.isolation` finds which isolation holds and builds the bubblewrap and
-unshare command lines; :mod:`mtp.eval.limits` holds the resource limits and the memory cgroups;
-:mod:`mtp.eval.processes` starts one sandboxed interpreter and kills everything it started; this
-module runs a sample in them and reads its verdict.
-"""
+"""Run one sample: :func:`run_program` starts its sandboxed interpreters, waits for the verdict,
+and reads it with their exit statuses. The design and its layers: :mod:`mtp.eval.sandbox`."""
 
 from __future__ import annotations
 
@@ -80,11 +13,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mtp.eval import wire
-from mtp.eval.isolation import Isolation, detect_isolation
-from mtp.eval.limits import Limits, _cgroups, _MemoryCgroup, _rlimits
-from mtp.eval.processes import _kill, _Process, _rmtree
-
-__all__ = ["ExecResult", "Isolation", "Limits", "detect_isolation", "run_program"]
+from mtp.eval.sandbox.isolation import Isolation, detect_isolation
+from mtp.eval.sandbox.limits import Limits, MemoryCgroups, memory_cgroups, rlimits
+from mtp.eval.sandbox.processes import SandboxedProcess, kill_all, remove_workdir
 
 
 @dataclass(frozen=True)
@@ -143,7 +74,7 @@ def run_program(
 ) -> ExecResult:
     """Run one sample in fresh sandboxed interpreters and report whether its tests passed.
 
-    By default completion and tests run in two processes (see the module's docstring); the
+    By default completion and tests run in two processes (see :mod:`mtp.eval.sandbox`); the
     verdict is the tests' report, read here with both processes' exit statuses.
 
     Args:
@@ -172,35 +103,35 @@ def run_program(
     cpu = limits.cpu_seconds or limits.timeout
     base = tempfile.mkdtemp(prefix="mtp-sbx-")
     pipes: list[int] = []
-    procs: list[_Process] = []
+    procs: list[SandboxedProcess] = []
     cgroup = None
     start = time.monotonic()
     try:
         result_r, result_w = os.pipe()
         pipes += [result_r, result_w]
-        cgroup = _cgroups().create("mtp-" + secrets.token_hex(8), limits.memory_bytes)
+        cgroup = memory_cgroups().create("mtp-" + secrets.token_hex(8), limits.memory_bytes)
         if shared:
             token = secrets.token_hex(16)
-            procs.append(_Process(
+            procs.append(SandboxedProcess(
                 base, "sample", "run_shared", {"candidate.py": candidate, "test.py": test},
                 {"result_fd": result_w, "token": token, "entry_point": entry_point},
-                (result_w,), _rlimits(limits, cpu, isolation.process_limit), limits, isolation,
+                (result_w,), rlimits(limits, cpu, isolation.process_limit), limits, isolation,
                 cgroup, hide))
         else:
             calls_r, calls_w = os.pipe()  # tests -> completion
             replies_r, replies_w = os.pipe()  # completion -> tests
             pipes += [calls_r, calls_w, replies_r, replies_w]
-            procs.append(_Process(
+            procs.append(SandboxedProcess(
                 base, "candidate", "serve_candidate", {"candidate.py": candidate},
                 {"calls_fd": calls_r, "replies_fd": replies_w}, (calls_r, replies_w),
-                _rlimits(limits, cpu, isolation.process_limit), limits, isolation, cgroup, hide))
-            procs.append(_Process(
+                rlimits(limits, cpu, isolation.process_limit), limits, isolation, cgroup, hide))
+            procs.append(SandboxedProcess(
                 base, "tests", "run_tests", {"test.py": test, "helpers.py": helpers},
                 {"calls_fd": calls_w, "replies_fd": replies_r, "result_fd": result_w,
                  "proxied": list(proxied if proxied is not None else [entry_point])},
                 (calls_w, replies_r, result_w),
                 # the tests' own process: no CPU limit below the wall clock's
-                _rlimits(limits, limits.timeout, isolation.process_limit), limits, isolation))
+                rlimits(limits, limits.timeout, isolation.process_limit), limits, isolation))
         for fd in pipes[1:]:  # the children hold their ends now
             os.close(fd)
         pipes = pipes[:1]
@@ -212,18 +143,18 @@ def run_program(
         # exit status (the outer sandbox process may trail its child by a moment).
         ended = bool(found) and found[-1].get("ended") is True
         candidate_ended = procs[0].wait(5.0 if ended and not timed_out else 0)
-        statuses = _kill(procs)  # whatever happened, nothing of the sample survives
+        statuses = kill_all(procs)  # whatever happened, nothing of the sample survives
         duration = time.monotonic() - start
         output = "".join(p.output(limits.output_bytes) for p in procs[:1])[-limits.output_bytes:]
     except OSError as e:
-        _kill(procs)
+        kill_all(procs)
         return ExecResult(False, "error", f"could not run the sample: {e}",
                           time.monotonic() - start, "", procs[0].tag if procs else "")
     finally:
         for fd in pipes:
             os.close(fd)
-        _MemoryCgroup.remove(cgroup)
-        _rmtree(base)
+        MemoryCgroups.remove(cgroup)
+        remove_workdir(base)
 
     tag = procs[0].tag
     death = _death(statuses[0], isolation) if candidate_ended else ""

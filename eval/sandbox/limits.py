@@ -1,5 +1,6 @@
 """Resource limits of a sample: the per-process rlimits, and one memory cgroup for all of its
-processes where this machine lets the harness make one."""
+processes where this machine lets the harness make one (:func:`memory_cgroups`), which each of
+its interpreters joins before it starts (:func:`join_cgroup_command`)."""
 
 from __future__ import annotations
 
@@ -37,7 +38,9 @@ class Limits:
     """How much of the end of stdout/stderr to keep in the result."""
 
 
-def _rlimits(limits: Limits, cpu: float, processes: bool) -> dict[str, tuple[int, int]]:
+def rlimits(limits: Limits, cpu: float, processes: bool) -> dict[str, tuple[int, int]]:
+    """The rlimits of one interpreter, as ``{name: (soft, hard)}``: `cpu` CPU seconds, and
+    RLIMIT_NPROC only where `processes` (``Isolation.process_limit``) says it bounds anything."""
     # SIGXCPU at the soft CPU limit (it ends the process, and tells a CPU timeout apart from a
     # memory kill); SIGKILL a second later for a process that catches it.
     soft = max(1, math.ceil(cpu))
@@ -49,7 +52,7 @@ def _rlimits(limits: Limits, cpu: float, processes: bool) -> dict[str, tuple[int
     return {k: v if isinstance(v, tuple) else (v, v) for k, v in out.items()}
 
 
-class _MemoryCgroup:
+class MemoryCgroups:
     """Memory-limited cgroups for the samples, where this process may create them.
 
     cgroup v2 (``memory.max``) where the memory controller is enabled below this process's cgroup,
@@ -130,15 +133,21 @@ class _MemoryCgroup:
                 time.sleep(0.01)
 
 
-_memory_cgroups: _MemoryCgroup | None = None
+_memory_cgroups: MemoryCgroups | None = None
 
 
-def _cgroups() -> _MemoryCgroup:
+def memory_cgroups() -> MemoryCgroups:
+    """This process's memory cgroups, found on first use."""
     global _memory_cgroups
     if _memory_cgroups is None:
-        _memory_cgroups = _MemoryCgroup()
+        _memory_cgroups = MemoryCgroups()
     return _memory_cgroups
 
 
 # Joins the cgroup named by $1, then becomes the rest of the command line.
 _JOIN_CGROUP = 'echo $$ > "$1/cgroup.procs" && shift && exec "$@"'
+
+
+def join_cgroup_command(cgroup: Path) -> list[str]:
+    """The prefix of a command line that moves the process into `cgroup`, then runs the rest."""
+    return ["/bin/sh", "-c", _JOIN_CGROUP, "sh", str(cgroup)]

@@ -1,5 +1,5 @@
-"""One sandboxed interpreter of a sample: its files and command line, waiting on it, and
-killing it with everything it started.
+"""One sandboxed interpreter of a sample (:class:`SandboxedProcess`): its files and command line,
+waiting on it, and killing it with everything it started (:func:`kill_all`).
 
 Each interpreter runs a program compiled here once: :mod:`mtp.eval.wire`, :mod:`mtp.eval.inside`
 and the call of one of the latter's entry points.
@@ -21,8 +21,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from mtp.eval import wire
-from mtp.eval.isolation import _ENV, Isolation, _bwrap_command, _sample_python, _unshare_command
-from mtp.eval.limits import _JOIN_CGROUP, Limits
+from mtp.eval.sandbox.isolation import SAMPLE_ENV, Isolation, sample_python, wrapper_command
+from mtp.eval.sandbox.limits import Limits, join_cgroup_command
 
 # Per-sample uids are drawn from a range that no distribution allocates to real users.
 _UID_RANGE = (2_000_000_000, 2_100_000_000)
@@ -87,7 +87,8 @@ def _wait_unreaped(pid: int, timeout: float) -> bool:
     return bool(ready)
 
 
-def _rmtree(path: str) -> None:
+def remove_workdir(path: str) -> None:
+    """Remove a sample's directory, whatever permissions the sample left on its files."""
     def onerror(func, p, exc_info):  # the sample may have chmod-ed its files to 000
         try:
             os.chmod(os.path.dirname(p), 0o700)
@@ -107,7 +108,7 @@ def _site_packages() -> list[str]:
     processing of ``.pth`` files can cost more than the rest of a sample (70 ms of 120 on a
     machine whose ``.pth`` imports ``certifi``), and the benchmarks need only the packages
     themselves (numpy, for the EvalPlus tests)."""
-    proc = subprocess.run([_sample_python(), "-I", "-c",
+    proc = subprocess.run([sample_python(), "-I", "-c",
                            "import json, site; print(json.dumps(site.getsitepackages()))"],
                           capture_output=True, text=True, timeout=60)
     try:
@@ -121,9 +122,9 @@ def _program(entry: str) -> bytes:
     """What a sandboxed interpreter runs, compiled once here (5 ms a start saved): its
     ``sys.path``, :mod:`mtp.eval.wire`, :mod:`mtp.eval.inside`, then the call of one of the
     latter's entry points. The sample interpreter is this one's base, so the bytecode fits."""
-    here = Path(__file__).parent
+    eval_dir = Path(__file__).parents[1]  # mtp.eval's folder
     source = "\n".join([f"import sys\nsys.path.extend({_site_packages()!r})",
-                        (here / "wire.py").read_text(), (here / "inside.py").read_text(),
+                        (eval_dir / "wire.py").read_text(), (eval_dir / "inside.py").read_text(),
                         f"{entry}(sys.argv[1])", ""])
     return marshal.dumps(compile(source, "<mtp.eval.inside>", "exec", dont_inherit=True))
 
@@ -132,7 +133,7 @@ def _program(entry: str) -> bytes:
 _BOOT = "import marshal; exec(marshal.loads(open('.program', 'rb').read()))"
 
 
-class _Process:
+class SandboxedProcess:
     """One sandboxed interpreter of a sample, running an entry point of :mod:`mtp.eval.inside`.
 
     It gets its own directory (``/tmp`` inside bwrap), its own uid where the isolation gives
@@ -159,21 +160,16 @@ class _Process:
                 f.write(data)
             if self.uid is not None:
                 os.chown(os.path.join(self.workdir, file), self.uid, self.uid)
-        if isolation.method == "bwrap":
-            prefix = _bwrap_command(self.workdir, os.geteuid() == 0, hide)
-        elif isolation.method == "unshare":
-            prefix = _unshare_command()
-        else:
-            prefix = []
+        prefix = wrapper_command(isolation, self.workdir, hide)
         if cgroup is not None:
-            prefix = ["/bin/sh", "-c", _JOIN_CGROUP, "sh", str(cgroup), *prefix]
+            prefix = join_cgroup_command(cgroup) + prefix
         inner = "/tmp" if isolation.method == "bwrap" else self.workdir
-        cmd = prefix + [_sample_python(), "-I", "-S", "-B", "-c", _BOOT, inner, self.tag]
+        cmd = prefix + [sample_python(), "-I", "-S", "-B", "-c", _BOOT, inner, self.tag]
         with open(self.out_path, "wb") as out:
             self.proc = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                 pass_fds=fds, start_new_session=True, cwd=self.workdir,
-                env=_ENV | {"HOME": self.workdir, "TMPDIR": self.workdir},
+                env=SAMPLE_ENV | {"HOME": self.workdir, "TMPDIR": self.workdir},
             )
 
     def wait(self, timeout: float) -> bool:
@@ -186,7 +182,7 @@ class _Process:
             return f.read().decode(errors="replace")
 
 
-def _kill(procs: list[_Process]) -> list[int]:
+def kill_all(procs: list[SandboxedProcess]) -> list[int]:
     """Kill the processes and everything they started; their exit statuses."""
     # Unreaped until now, their pids (the sessions' ids) cannot have been reused, so the
     # clean-up cannot hit a stranger.

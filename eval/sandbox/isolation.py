@@ -1,8 +1,9 @@
 """Which isolation a sample gets: bubblewrap, unshare or a bare process, found by trying each.
 
-Holds the :class:`Isolation` record, :func:`detect_isolation`, and the command lines that wrap a
-sandboxed interpreter: bubblewrap's (read-only root, masked directories, private ``/tmp``, new
-namespaces) and unshare's. The layers themselves are described in :mod:`mtp.eval.sandbox`.
+Holds the :class:`Isolation` record, :func:`detect_isolation`, and the command line that wraps a
+sandboxed interpreter (:func:`wrapper_command`): bubblewrap's (read-only root, masked
+directories, private ``/tmp``, new namespaces) or unshare's. The layers themselves are described
+in :mod:`mtp.eval.sandbox`.
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from mtp.eval.limits import _cgroups
+from mtp.eval.sandbox.limits import memory_cgroups
 
 # Directories hidden from the sample (secrets, sockets, other users' files). Those that hold the
 # Python installation are bound back read-only.
 _MASKED_DIRS = ("/root", "/home", "/run", "/var/run", "/var/tmp", "/mnt", "/media", "/srv")
-_ENV = {
+#: The environment a sandboxed interpreter gets, besides ``HOME`` and ``TMPDIR`` (its directory).
+SAMPLE_ENV = {
     "PATH": "/usr/local/bin:/usr/bin:/bin",
     "LANG": "C.UTF-8",
     "LC_ALL": "C.UTF-8",
@@ -63,7 +65,7 @@ _detected: dict[str, Isolation] = {}
 _warned = False
 
 
-def _sample_python() -> str:
+def sample_python() -> str:
     """The base interpreter behind this one: samples need the standard library only, and a
     virtual environment may live where the sandbox hides it (under /tmp, say, which becomes the
     sample's private directory)."""
@@ -119,7 +121,7 @@ def _bwrap_command(workdir: str, as_root: bool, hide: Sequence[str] = ()) -> lis
     else:
         cmd += ["--unshare-user"]
     cmd += ["--clearenv"]
-    for key, value in _ENV.items():
+    for key, value in SAMPLE_ENV.items():
         cmd += ["--setenv", key, value]
     return cmd + ["--"]
 
@@ -130,6 +132,16 @@ def _unshare_command() -> list[str]:
     if os.geteuid() != 0:
         cmd.append("--map-root-user")
     return cmd + ["--"]
+
+
+def wrapper_command(isolation: Isolation, workdir: str, hide: Sequence[str] = ()) -> list[str]:
+    """The command line a sandboxed interpreter's own follows: bubblewrap's (`workdir` mounted at
+    ``/tmp``, the directories in `hide` shown empty), unshare's, or none for a bare process."""
+    if isolation.method == "bwrap":
+        return _bwrap_command(workdir, os.geteuid() == 0, hide)
+    if isolation.method == "unshare":
+        return _unshare_command()
+    return []
 
 
 def _python_readable_by_others() -> bool:
@@ -188,7 +200,7 @@ def detect_isolation(requested: str = "auto") -> Isolation:
         _warned = True
         warnings.warn(f"bubblewrap is unavailable ({note}); samples run with weaker isolation: "
                       f"{iso}", RuntimeWarning, stacklevel=2)
-    iso = dataclasses.replace(iso, memory_cgroup=_cgroups().kind)
+    iso = dataclasses.replace(iso, memory_cgroup=memory_cgroups().kind)
     _detected[requested] = iso
     return iso
 
@@ -202,7 +214,7 @@ def _probe(method: str, as_root: bool) -> tuple[bool, str]:
     with tempfile.TemporaryDirectory(prefix="mtp-probe-") as d:
         prefix = _bwrap_command(d, as_root) if method == "bwrap" else _unshare_command()
         try:
-            proc = subprocess.run(prefix + [_sample_python(), "-I", "-c", "pass"],
+            proc = subprocess.run(prefix + [sample_python(), "-I", "-c", "pass"],
                                   stdin=subprocess.DEVNULL, capture_output=True, timeout=60)
         except (OSError, subprocess.TimeoutExpired) as e:
             return False, str(e)
