@@ -3,9 +3,9 @@
     python -m mtp.kernels.aot                    # bf16, sm_80 and sm_90, every specialisation
     python -m mtp.kernels.aot --targets 90 --specialization aligned
 
-Each ``@triton.jit`` kernel of :mod:`mtp.kernels.triton_kernels` is compiled with
-``triton.compile`` at the tiles and launch options its launcher uses on CUDA
-(``_default_config`` of :mod:`mtp.kernels.launch`), for an explicit ``GPUTarget``; Triton's
+Each ``@triton.jit`` kernel of :mod:`mtp.kernels.forward` and :mod:`mtp.kernels.backward` is
+compiled with ``triton.compile`` at the tiles and launch options its launcher uses on CUDA
+(``default_config`` of :mod:`mtp.kernels.forward`), for an explicit ``GPUTarget``; Triton's
 bundled ``ptxas -v`` is then run on the PTX (the same binary and flags Triton uses to build the
 cubin) for registers and spills.
 The printed table has, per kernel and target: registers per thread, spill stores and loads, the
@@ -28,12 +28,10 @@ import re
 import subprocess
 import sys
 import tempfile
-from types import ModuleType
 
 import torch
 
-from . import triton_kernels
-from .launch import _default_config, _triton_dtypes, _triton_is_interpreted
+from . import backward, forward
 
 #: Largest shared memory one block may use (opt-in dynamic shared memory), in bytes.
 SMEM_LIMIT_BYTES = {80: 166912, 90: 232448}  # sm_80: 163 KiB, sm_90: 227 KiB
@@ -93,16 +91,17 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def _kernels_module() -> ModuleType:
-    """`mtp.kernels.triton_kernels`, whose kernels must be compilable JITFunctions."""
+def _kernels() -> dict:
+    """The kernels of :mod:`mtp.kernels.forward` and :mod:`mtp.kernels.backward` by name, which
+    must be compilable JITFunctions."""
     from triton.runtime.jit import JITFunction
 
-    module = triton_kernels
-    if not isinstance(module._linear_cross_entropy_fwd_kernel, JITFunction):
+    kernels = {**forward.TRITON_KERNELS, **backward.TRITON_KERNELS}
+    if not all(isinstance(kernel, JITFunction) for kernel in kernels.values()):
         raise RuntimeError("the kernels were built by Triton's interpreter (TRITON_INTERPRET=1), "
                            "which cannot compile them; use report(), which then compiles in a "
                            "fresh process, or unset TRITON_INTERPRET")
-    return module
+    return kernels
 
 
 def _interpreted() -> bool:
@@ -110,7 +109,7 @@ def _interpreted() -> bool:
     the interpreter also replaces triton.language's own jit functions, e.g. tl.cdiv)."""
     from triton import knobs
 
-    return knobs.runtime.interpret or _triton_is_interpreted()
+    return knobs.runtime.interpret or forward.triton_is_interpreted()
 
 
 def compile_kernel(name: str, capability: int, dtype: torch.dtype = torch.bfloat16,
@@ -118,7 +117,7 @@ def compile_kernel(name: str, capability: int, dtype: torch.dtype = torch.bfloat
     """``triton.compile`` one kernel for ``GPUTarget("cuda", capability, 32)``.
 
     Tiles, warps, stages, the accumulation dtype and the dot precision are those the launcher
-    passes on CUDA for ``dtype`` (``_default_config``, ``_triton_dtypes``).
+    passes on CUDA for ``dtype`` (``default_config``, ``triton_dtypes``).
 
     Returns:
         The ``CompiledKernel`` (``.asm["ptx"]``, ``.metadata.shared``, ...).
@@ -129,10 +128,9 @@ def compile_kernel(name: str, capability: int, dtype: torch.dtype = torch.bfloat
     if specialization not in SPECIALIZATIONS:
         raise ValueError(f"specialization must be one of {list(SPECIALIZATIONS)} (got "
                          f"{specialization!r})")
-    module = _kernels_module()
-    kernel = getattr(module, name)
-    cfg = _default_config(dtype, torch.device("cuda"))
-    acc, precision = _triton_dtypes(dtype)
+    kernel = _kernels()[name]
+    cfg = forward.default_config(dtype, torch.device("cuda"))
+    acc, precision = forward.triton_dtypes(dtype)
     constexprs = {"BLOCK_N": cfg.block_n, "BLOCK_V": cfg.block_v, "BLOCK_D": cfg.block_d,
                   "GROUP": cfg.group, "ACC_DTYPE": acc, "INPUT_PRECISION": precision}
     declared = {p.name for p in kernel.params if p.is_constexpr}

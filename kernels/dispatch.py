@@ -24,11 +24,12 @@ Two implementations share one contract:
 
 ``linear_cross_entropy_reference`` materialises the logits; tests and benchmarks share it.
 
-This module holds the public entry points. Each checks its inputs once
-(:mod:`~mtp.kernels.validate`), picks the implementation and the chunk size, and calls internals
-that trust their inputs: the autograd Functions of :mod:`~mtp.kernels.autograd`, or for
-:func:`linear_cross_entropy_fwd_bwd` the passes themselves (:mod:`~mtp.kernels.torch_path`,
-:mod:`~mtp.kernels.launch`, which launches the kernels of :mod:`~mtp.kernels.triton_kernels`).
+This module holds the public entry points and the autograd Functions, on the primitives of
+:mod:`~mtp.kernels.forward` (``triton_forward``, ``torch_forward``) and
+:mod:`~mtp.kernels.backward` (``triton_backward``, ``torch_forward_backward``). Each entry point
+checks its inputs once (:func:`~mtp.kernels.validate.check_inputs`) and picks the chunk and the
+tiles in one place (``_plan``); the per-row gradient scale (``_row_factor``) and the reduction
+(``_reduce``) serve every Function and :func:`linear_cross_entropy_fwd_bwd` alike.
 """
 
 from __future__ import annotations
@@ -36,11 +37,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .autograd import _LinearCrossEntropyTorch, _LinearCrossEntropyTriton, _reduce
-from .launch import TritonConfig, _default_config, _triton_backward, _triton_forward
+from .backward import torch_forward_backward, triton_backward
+from .forward import TritonConfig, default_config, torch_forward, triton_forward
 from .reference import Reduction
-from .torch_path import _torch_chunked_pass
-from .validate import Impl, _resolve_impl, _validate, _validate_chunk_size
+from .validate import Impl, check_inputs
+
+# ----------------------------------------------------------------------------------------------
+# Chunk and tiles; gradient scale and reduction
+# ----------------------------------------------------------------------------------------------
 
 # Peak size of the per-chunk [chunk, V] buffers. On the GPU the dweight kernel reads and writes
 # the fp32 [V, d] accumulator once per chunk, i.e. 8 V d bytes per chunk against 8 chunk V d
@@ -50,10 +54,8 @@ from .validate import Impl, _resolve_impl, _validate, _validate_chunk_size
 _CUDA_CHUNK_BYTES = 1 << 30
 _CUDA_MAX_CHUNK_TOKENS = 4096
 # On CPU a chunk whose fp32 logits stay near the cache (8 MiB) keeps the softmax passes from
-# running at DRAM speed, while 64+ tokens keep the matmuls efficient. Measured, (N, d, V) =
-# (2048, 256, 8192), fp32, 1 thread, forward + backward, interleaved runs, min of 5: chunk 32:
-# 442 ms, 128: 373 ms, 512: 404 ms, 2048: 378 ms (a noisy shared machine: +-20%); forward only:
-# 126, 71, 83, 94 ms. 8 MiB is 256 tokens at V = 8192.
+# running at DRAM speed, while 64+ tokens keep the matmuls efficient; 8 MiB is 256 tokens at
+# V = 8192 (`mtp bench kernel` times the CPU path at that vocabulary).
 _CPU_CHUNK_BYTES = 8 << 20
 _CPU_MIN_CHUNK_TOKENS = 64
 
@@ -64,6 +66,44 @@ def _default_chunk(n: int, vocab: int, impl: str, itemsize: int) -> int:
         by_bytes = _CUDA_CHUNK_BYTES // (vocab * itemsize)
         return max(1, min(n, _CUDA_MAX_CHUNK_TOKENS, max(128, by_bytes)))
     return max(1, min(n, max(_CPU_MIN_CHUNK_TOKENS, _CPU_CHUNK_BYTES // (vocab * 4))))
+
+
+def _plan(
+    hidden: Tensor,
+    weight: Tensor,
+    impl: str,
+    chunk_size: int | None,
+    config: TritonConfig | None,
+) -> tuple[str, int, TritonConfig | None]:
+    """The implementation that runs, its tokens per chunk and (Triton) its tiles: the caller's,
+    else the defaults for the device. An empty batch runs the torch path: the kernels cannot
+    launch an empty grid, and the torch path gives loss 0 and zero gradients."""
+    n, vocab = hidden.shape[0], weight.shape[0]
+    if impl == "triton" and n > 0:
+        chunk = chunk_size or _default_chunk(n, vocab, "triton", hidden.element_size())
+        return "triton", chunk, config or default_config(hidden.dtype, hidden.device)
+    return "torch", chunk_size or _default_chunk(n, vocab, "torch", 4), None
+
+
+def _row_factor(
+    valid: Tensor, reduction: str, dtype: torch.dtype
+) -> tuple[Tensor, Tensor | None]:
+    """The gradient scale of each row, d(reduced)/d(loss_i) (0 on ignored rows), in ``dtype``,
+    and the number of rows the mean divides by (``None`` unless ``reduction="mean"``)."""
+    factor = valid.to(dtype)
+    if reduction != "mean":
+        return factor, None
+    count = valid.sum().clamp(min=1).to(dtype)
+    return factor / count, count
+
+
+def _reduce(loss: Tensor, reduction: str, count: Tensor | None) -> Tensor:
+    """The per-row ``loss`` reduced; ``count`` is :func:`_row_factor`'s divisor of the mean."""
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / count
 
 
 def _autocast_inputs(hidden: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
@@ -77,51 +117,133 @@ def _autocast_inputs(hidden: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
     return hidden, weight
 
 
-def _torch_loss(
+# ----------------------------------------------------------------------------------------------
+# The autograd Functions
+# ----------------------------------------------------------------------------------------------
+
+
+class _LinearCrossEntropyTorch(torch.autograd.Function):
+    """Chunked PyTorch linear cross-entropy; gradients computed in the forward when possible."""
+
+    # NOTE: for mean/sum the gradients are computed in the forward pass from each chunk's logits
+    # and stashed (Liger-Kernel style); the backward only scales them by the incoming grad. The
+    # alternative (save lse, recompute the logits in backward) does one more [chunk, d] x [d, V]
+    # matmul per chunk, 4 instead of 3, and runs slower on CPU than stashing (`mtp bench kernel`
+    # on CPU times this path against the materialising reference).
+    # The cost is holding dhidden [N, d] and dweight [V, d] (fp32) from forward to backward, which
+    # the sequential MTP pass frees at once. reduction="none" has a per-row incoming grad that
+    # cannot be applied to a stashed dweight, so it recomputes in the backward.
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, ignore_index, reduction, chunk, track):
+        acc_dtype = torch.promote_types(hidden.dtype, torch.float32)
+        # d(reduced)/d(loss_i) is known before the loss itself: 1/count or 1 on valid rows.
+        row_factor, count = _row_factor(targets != ignore_index, reduction, acc_dtype)
+        ctx.reduction, ctx.ignore_index, ctx.chunk = reduction, ignore_index, chunk
+        ctx.dtypes = (hidden.dtype, weight.dtype)
+        if track and reduction != "none":
+            loss, dhidden, dweight = torch_forward_backward(
+                hidden, weight, targets, ignore_index, chunk, row_factor
+            )
+            # attributes, not saved tensors: backward scales them in place and hands them over,
+            # rather than holding a scaled copy next to each (2 x [V, d] fp32 at the peak)
+            ctx.stashed = (dhidden, dweight)
+        else:
+            loss = torch_forward(hidden, weight, targets, ignore_index, chunk)
+            ctx.save_for_backward(hidden, weight, targets, row_factor)
+        ctx.mark_non_differentiable(targets)
+        return _reduce(loss, reduction, count)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        if ctx.reduction != "none":
+            if not hasattr(ctx, "stashed"):
+                raise RuntimeError("linear_cross_entropy supports one backward per forward "
+                                   "(its gradients were computed in the forward)")
+            dhidden, dweight = ctx.stashed
+            del ctx.stashed
+            if not (grad_out == 1).all():
+                g = grad_out.to(dhidden.dtype)
+                dhidden.mul_(g)
+                dweight.mul_(g)
+        else:
+            hidden, weight, targets, row_factor = ctx.saved_tensors
+            grad_scale = row_factor * grad_out.to(row_factor.dtype)
+            _, dhidden, dweight = torch_forward_backward(
+                hidden, weight, targets, ctx.ignore_index, ctx.chunk, grad_scale
+            )
+        hidden_dtype, weight_dtype = ctx.dtypes
+        dh = dhidden.to(hidden_dtype) if ctx.needs_input_grad[0] else None
+        dw = dweight.to(weight_dtype) if ctx.needs_input_grad[1] else None
+        return dh, dw, None, None, None, None, None
+
+
+class _LinearCrossEntropyTriton(torch.autograd.Function):
+    """Fused forward (online log-sum-exp) and chunked backward (recomputed logit tiles)."""
+
+    # NOTE: the backward recomputes the logits, so a training step costs 8 N d V FLOPs (forward
+    # 2, recompute 2, dhidden 2, dweight 2) against 6 for an unfused matmul + cross-entropy; the
+    # project's target (50% of peak on the 6 N d V basis) then needs 67% of peak on the FLOPs done.
+    # In exchange nothing is stashed between forward and backward beyond lse [N], which keeps the
+    # naive "sum K head losses, then one backward" usage at O(N d + V d) memory too. The
+    # alternative, Liger-style (write each chunk's fp32 logits in the forward, compute both
+    # gradients there, 6 N d V), trades that memory for the recompute; scripts/gpu_check.sh
+    # measures this version against Liger-Kernel and cut-cross-entropy.
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, ignore_index, reduction, chunk, cfg):
+        lse, loss = triton_forward(hidden, weight, targets, ignore_index, cfg)
+        row_factor, count = _row_factor(targets != ignore_index, reduction, loss.dtype)
+        ctx.save_for_backward(hidden, weight, targets, lse, row_factor)
+        ctx.chunk, ctx.cfg = chunk, cfg
+        return _reduce(loss, reduction, count)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, targets, lse, row_factor = ctx.saved_tensors
+        scale = (row_factor * grad_out.to(row_factor.dtype)).contiguous()
+        dhidden, dweight = triton_backward(
+            hidden,
+            weight,
+            targets,
+            lse,
+            scale,
+            ctx.chunk,
+            ctx.cfg,
+            ctx.needs_input_grad[0],
+            ctx.needs_input_grad[1],
+        )
+        return dhidden, dweight, None, None, None, None, None
+
+
+def _loss(
     hidden: Tensor,
     weight: Tensor,
     targets: Tensor,
     ignore_index: int,
     reduction: str,
+    impl: str,
     chunk_size: int | None,
+    config: TritonConfig | None,
 ) -> Tensor:
-    """The chunked PyTorch path on validated inputs (``targets`` int64)."""
-    chunk = chunk_size or _default_chunk(hidden.shape[0], weight.shape[0], "torch", 4)
+    """The loss through the autograd Function of ``impl``, on validated inputs (targets int64)."""
+    hidden, weight = hidden.contiguous(), weight.contiguous()
+    impl, chunk, cfg = _plan(hidden, weight, impl, chunk_size, config)
+    if impl == "triton":
+        return _LinearCrossEntropyTriton.apply(
+            hidden, weight, targets.contiguous(), ignore_index, reduction, chunk, cfg
+        )
     # Inside Function.forward needs_input_grad stays True under torch.no_grad, so whether a
     # backward can happen is decided here: evaluation must not pay for stashed gradients.
     track = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     return _LinearCrossEntropyTorch.apply(
-        hidden.contiguous(), weight.contiguous(), targets, ignore_index, reduction, chunk, track
+        hidden, weight, targets, ignore_index, reduction, chunk, track
     )
 
 
-def _triton_loss(
-    hidden: Tensor,
-    weight: Tensor,
-    targets: Tensor,
-    ignore_index: int,
-    reduction: str,
-    chunk_size: int | None,
-    config: TritonConfig | None = None,
-) -> Tensor:
-    """The Triton path on validated inputs (``targets`` int64) on a device it can run on."""
-    n, vocab = hidden.shape[0], weight.shape[0]
-    chunk = chunk_size or _default_chunk(n, vocab, "triton", hidden.element_size())
-    cfg = config or _default_config(hidden.dtype, hidden.device)
-    if n == 0:
-        # An empty grid cannot be launched; the torch path handles N = 0 (loss 0, zero grads).
-        return _LinearCrossEntropyTorch.apply(
-            hidden, weight, targets, ignore_index, reduction, 1, torch.is_grad_enabled()
-        )
-    return _LinearCrossEntropyTriton.apply(
-        hidden.contiguous(),
-        weight.contiguous(),
-        targets.contiguous(),
-        ignore_index,
-        reduction,
-        chunk,
-        cfg,
-    )
+# ----------------------------------------------------------------------------------------------
+# The public entry points
+# ----------------------------------------------------------------------------------------------
 
 
 def linear_cross_entropy(
@@ -165,14 +287,10 @@ def linear_cross_entropy(
     # the sequential multi-token loss stays finite when one head has no valid target (the last K-1
     # positions of a short window, or a fully padded micro-batch); 0/1 instead of 0/0.
     hidden, weight = _autocast_inputs(hidden, weight)
-    _validate(hidden, weight, targets, ignore_index, reduction)
-    impl = _resolve_impl(impl, hidden.device)
-    _validate_chunk_size(chunk_size)
+    impl = check_inputs(hidden, weight, targets, ignore_index, reduction, impl, chunk_size)
     targets = targets.long()
     with torch.autocast(hidden.device.type, enabled=False):
-        if impl == "triton":
-            return _triton_loss(hidden, weight, targets, ignore_index, reduction, chunk_size)
-        return _torch_loss(hidden, weight, targets, ignore_index, reduction, chunk_size)
+        return _loss(hidden, weight, targets, ignore_index, reduction, impl, chunk_size, None)
 
 
 def linear_cross_entropy_fwd_bwd(
@@ -207,35 +325,23 @@ def linear_cross_entropy_fwd_bwd(
         ``hidden``'s dtype.
     """
     hidden, weight = _autocast_inputs(hidden, weight)
-    _validate(hidden, weight, targets, ignore_index, "mean")
-    acc_dtype = torch.promote_types(hidden.dtype, torch.float32)
-    if (dweight_acc.shape != weight.shape or dweight_acc.dtype != acc_dtype
-            or not dweight_acc.is_contiguous() or dweight_acc.device != weight.device):
-        raise ValueError(f"dweight_acc must be a contiguous {acc_dtype} tensor of shape "
-                         f"{tuple(weight.shape)} on {weight.device} (got {dweight_acc.dtype} "
-                         f"{tuple(dweight_acc.shape)} on {dweight_acc.device})")
-    impl = _resolve_impl(impl, hidden.device)
-    _validate_chunk_size(chunk_size)
+    impl = check_inputs(hidden, weight, targets, ignore_index, "mean", impl, chunk_size,
+                        dweight_acc)
     hidden, weight, targets = hidden.contiguous(), weight.contiguous(), targets.long()
-    valid = targets != ignore_index
+    impl, chunk, cfg = _plan(hidden, weight, impl, chunk_size, None)
     with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
-        if impl == "triton" and hidden.shape[0] > 0:
-            n, vocab = hidden.shape[0], weight.shape[0]
-            chunk = chunk_size or _default_chunk(n, vocab, "triton", hidden.element_size())
-            cfg = _default_config(hidden.dtype, hidden.device)
-            lse, loss = _triton_forward(hidden, weight, targets, ignore_index, cfg)
-            out, row_factor = _reduce(loss, valid, "mean")
-            dhidden, _ = _triton_backward(hidden, weight, targets, lse,
-                                          (row_factor * scale).contiguous(), chunk, cfg,
-                                          True, True, dweight_out=dweight_acc)
-            return out, dhidden
-        chunk = chunk_size or _default_chunk(hidden.shape[0], weight.shape[0], "torch", 4)
-        count = valid.sum().clamp(min=1)
-        grad_scale = valid.to(acc_dtype) * scale / count
-        loss, dhidden, _ = _torch_chunked_pass(hidden, weight, targets, ignore_index, chunk,
-                                               grad_scale, dweight_out=dweight_acc)
-        out, _ = _reduce(loss, valid, "mean")
-        return out, dhidden.to(hidden.dtype)
+        # the Functions' primitives, forward then backward, with `scale` as the incoming grad
+        row_factor, count = _row_factor(targets != ignore_index, "mean", dweight_acc.dtype)
+        grad_scale = (row_factor * scale).contiguous()
+        if impl == "triton":
+            lse, loss = triton_forward(hidden, weight, targets, ignore_index, cfg)
+            dhidden, _ = triton_backward(hidden, weight, targets, lse, grad_scale, chunk, cfg,
+                                         True, True, dweight_out=dweight_acc)
+        else:
+            loss, dhidden, _ = torch_forward_backward(hidden, weight, targets, ignore_index,
+                                                      chunk, grad_scale, dweight_out=dweight_acc)
+            dhidden = dhidden.to(hidden.dtype)
+        return _reduce(loss, "mean", count), dhidden
 
 
 def linear_cross_entropy_triton(
@@ -266,7 +372,6 @@ def linear_cross_entropy_triton(
     Returns:
         The loss in fp32 (fp64 for fp64 inputs).
     """
-    _validate(hidden, weight, targets, ignore_index, reduction)
-    _resolve_impl("triton", hidden.device)
-    _validate_chunk_size(chunk_size)
-    return _triton_loss(hidden, weight, targets.long(), ignore_index, reduction, chunk_size, config)
+    check_inputs(hidden, weight, targets, ignore_index, reduction, "triton", chunk_size)
+    return _loss(hidden, weight, targets.long(), ignore_index, reduction, "triton", chunk_size,
+                 config)

@@ -1,7 +1,7 @@
 """The plain PyTorch linear cross-entropy that materialises the ``[N, V]`` logits.
 
-The unfused baseline that tests and benchmarks share; :mod:`mtp.kernels.dispatch` holds the fused
-implementations of the same contract.
+The unfused baseline that tests and benchmarks share; the fused implementations of the same
+contract are the entry points of :mod:`mtp.kernels.dispatch`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Input checks and the choice of implementation for the fused linear cross-entropy.
 
-Each public entry point of :mod:`mtp.kernels.dispatch` runs them once, then calls internals that
-trust their inputs.
+Each public entry point of :mod:`mtp.kernels.dispatch` runs :func:`check_inputs` once, then calls
+internals that trust their inputs.
 """
 
 from __future__ import annotations
@@ -11,14 +11,39 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from .launch import _triton_is_interpreted
-from .triton_kernels import HAS_TRITON
+from .forward import HAS_TRITON, triton_is_interpreted
 
 Impl = Literal["auto", "triton", "torch"]
 
 _REDUCTIONS = ("mean", "sum", "none")
 _IMPLS = ("auto", "triton", "torch")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_inputs(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    ignore_index: int,
+    reduction: str,
+    impl: str,
+    chunk_size: int | None,
+    dweight_acc: Tensor | None = None,
+) -> str:
+    """Raise on every input that would give a wrong loss, naming the argument; return the
+    implementation that runs (``"triton"`` or ``"torch"``).
+
+    Raises:
+        ValueError: On a wrong shape, dtype, device, reduction, impl, chunk size, an
+            out-of-range target, or (when given) a ``dweight_acc`` that does not fit ``weight``.
+        ImportError: When the Triton kernels are to run and triton is not installed.
+    """
+    _validate(hidden, weight, targets, ignore_index, reduction)
+    if dweight_acc is not None:
+        _validate_dweight_acc(dweight_acc, hidden, weight)
+    impl = _resolve_impl(impl, hidden.device)
+    _validate_chunk_size(chunk_size)
+    return impl
 
 
 def _validate(
@@ -76,6 +101,17 @@ def _validate(
             )
 
 
+def _validate_dweight_acc(dweight_acc: Tensor, hidden: Tensor, weight: Tensor) -> None:
+    """Raise ``ValueError`` unless ``dweight_acc`` is a contiguous accumulation-dtype buffer
+    shaped and placed like ``weight``."""
+    acc_dtype = torch.promote_types(hidden.dtype, torch.float32)
+    if (dweight_acc.shape != weight.shape or dweight_acc.dtype != acc_dtype
+            or not dweight_acc.is_contiguous() or dweight_acc.device != weight.device):
+        raise ValueError(f"dweight_acc must be a contiguous {acc_dtype} tensor of shape "
+                         f"{tuple(weight.shape)} on {weight.device} (got {dweight_acc.dtype} "
+                         f"{tuple(dweight_acc.shape)} on {dweight_acc.device})")
+
+
 def _resolve_impl(impl: str, device: torch.device) -> str:
     """The implementation that runs: ``auto`` is Triton on CUDA and torch elsewhere.
 
@@ -94,7 +130,7 @@ def _resolve_impl(impl: str, device: torch.device) -> str:
                 "triton is not importable: `pip install triton`, or pass impl='torch' to run "
                 "the chunked PyTorch path instead"
             )
-        if device.type != "cuda" and not _triton_is_interpreted():
+        if device.type != "cuda" and not triton_is_interpreted():
             raise ValueError(
                 f"impl='triton' on {device.type} tensors needs TRITON_INTERPRET=1 set before "
                 "mtp.kernels is imported"

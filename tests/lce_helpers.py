@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # also when run without the repo's conftest
 
 from mtp.kernels import TritonConfig  # noqa: E402
-from mtp.kernels.launch import _triton_is_interpreted  # noqa: E402
+from mtp.kernels.forward import triton_is_interpreted as _triton_is_interpreted  # noqa: E402
 
 IGNORE = -100
 # Small tiles so that the awkward shapes span several tiles in every dimension, with ragged edges,

@@ -1,5 +1,6 @@
-"""The chunked PyTorch path (``mtp.kernels.torch_path``, ``impl="torch"``) against an independent
-float64 reference, and its memory contract: no fp32 copy of a half-precision weight."""
+"""The chunked PyTorch path (``impl="torch"``: ``mtp.kernels.forward.torch_forward`` and
+``mtp.kernels.backward.torch_forward_backward``) against an independent float64 reference, and its
+memory contract: no fp32 copy of a half-precision weight."""
 
 import math
 
@@ -7,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lce_helpers import RTOL, SHAPES, check_against_reference, make_inputs
-from mtp.kernels import linear_cross_entropy, linear_cross_entropy_fwd_bwd, torch_path
+from mtp.kernels import forward as torch_path  # holds the torch path's weight slicing
+from mtp.kernels import linear_cross_entropy, linear_cross_entropy_fwd_bwd
 from torch.utils._python_dispatch import TorchDispatchMode
 
 

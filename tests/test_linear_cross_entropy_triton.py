@@ -1,5 +1,5 @@
-"""The Triton kernels (``mtp.kernels.triton_kernels``, launched by ``mtp.kernels.launch``) against
-an independent float64 reference.
+"""The Triton kernels and their launchers (``mtp.kernels.forward``, ``mtp.kernels.backward``)
+against an independent float64 reference.
 
 On CPU the kernels run under ``TRITON_INTERPRET=1`` (set by ``tests/conftest.py`` before
 ``mtp.kernels`` is imported); GPU tests compare bf16 and fp32 CUDA runs with the same float64
@@ -27,7 +27,7 @@ from mtp.kernels import (  # noqa: E402
     linear_cross_entropy,
     linear_cross_entropy_triton,
 )
-from mtp.kernels.launch import _triton_is_interpreted  # noqa: E402
+from mtp.kernels.forward import triton_is_interpreted as _triton_is_interpreted  # noqa: E402
 
 # ----------------------------------------------------------------------------------------------
 # Triton kernels under the CPU interpreter
