@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from mtp.eval.chat import ChatTemplate
 
-from mtp.decoding import DECODERS, DecodeStats, generate
+from mtp.decoding import DecodeRequest, DecodeStats, generate
 from mtp.decoding.stopper import Stop
 from mtp.model import MTPTransformer
 
@@ -108,23 +108,21 @@ def load_completer(
     batch_size: int = 16,
     **decode_kwargs,
 ) -> ModelCompleter:
-    """A `ModelCompleter` over a checkpoint, for `mtp eval` (`draft_ckpt` is needed by `draft`)."""
+    """A `ModelCompleter` over a checkpoint, for `mtp eval` (`draft_ckpt` is needed by `draft`);
+    `decode_kwargs` are the other fields of its `mtp.decoding.DecodeRequest` (heads, tree, gamma,
+    lookup, ...), checked with the checkpoints here and passed to every `generate`.
+
+    Raises:
+        RequestError: the decoder does not suit the checkpoints (`mtp.decoding.DecodeRequest`).
+    """
     from mtp.checkpoint import load_checkpoint
 
-    if decoder not in DECODERS:
-        raise ValueError(f"unknown decoder {decoder!r}; choose one of {', '.join(DECODERS)}")
+    request = DecodeRequest(decoder=decoder, **decode_kwargs)
+    request.check()
     model, tokenizer = load_checkpoint(ckpt_path, device=device)
-    draft_model = None
-    if decoder == "draft":
-        if draft_ckpt is None:
-            raise ValueError("decoder 'draft' needs a draft checkpoint (--draft-ckpt)")
-        draft_model, draft_tok = load_checkpoint(draft_ckpt, device=device)
-        if draft_tok.to_str() != tokenizer.to_str():
-            raise ValueError(f"the draft checkpoint {draft_ckpt} has a different tokenizer")
-    if decoder in ("self-spec", "tree") and model.cfg.n_future == 1:
-        raise ValueError(
-            f"{ckpt_path} has a single head (--model.n_future 1): decoder {decoder!r} needs "
-            "extra heads"
-        )
+    draft_model = draft_tokenizer = None
+    if decoder == "draft" and draft_ckpt is not None:
+        draft_model, draft_tokenizer = load_checkpoint(draft_ckpt, device=device)
+    request.check(model, draft_model, tokenizer=tokenizer, draft_tokenizer=draft_tokenizer)
     return ModelCompleter(model, tokenizer, decoder=decoder, draft_model=draft_model,
-                     batch_size=batch_size, **decode_kwargs)
+                          batch_size=batch_size, **decode_kwargs)

@@ -240,6 +240,10 @@ HEAD_TYPES: tuple[str, ...] = typing.get_args(typing.get_type_hints(ModelConfig)
 #: The decoders of `mtp.decoding.generate` (`mtp generate --decoder`).
 DECODERS = ("greedy", "sample", "self-spec", "tree", "draft", "lookup")
 
+#: Prompt lookup's most drafts per round where none is given (`--lookup 0`): decoder `lookup`, and
+#: transformers' prompt lookup in `mtp bench decode --transformers`.
+LOOKUP_TOKENS = 10
+
 #: Named sizes. `debug` runs a step on CPU in milliseconds (tests, README); `cpu` is the default
 #: that trains on two CPU cores in minutes; the rest are GPU sizes (parameter counts at V = 32000,
 #: K = 4, matched to the K = 1 model of the same name).

@@ -5,8 +5,10 @@
 from those the verifier added (colour on a terminal, `[[...]]` otherwise), and ends with tokens,
 forwards, L, ms/token and the speedup over greedy measured right after.
 
-The parser imports nothing heavy, so `--help` answers at once; torch and the model load when a
-command runs.
+The decoding flags map to a `mtp.decoding.DecodeRequest`, whose one validator holds every rule of
+a request; this module only maps the request's fields to flags (`flag`), so each problem names
+its flag. The parser imports nothing heavy, so `--help` answers at once; torch and the model load
+when a command runs.
 """
 
 from __future__ import annotations
@@ -14,10 +16,20 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mtp.config import DECODERS
+from mtp.config import DECODERS, LOOKUP_TOKENS
 
 # --------------------------------------------------------------------------------------------
-# Arguments shared by both commands, checked before any model loads
+# Arguments shared by both commands: flags map to a `mtp.decoding.DecodeRequest`, which checks them
+
+#: The flag of each field of a decode request (and of what it is checked against) that is not
+#: `--` and the field's name with dashes.
+FLAGS = {"model": "--ckpt", "draft_model": "--draft-ckpt", "prompts": "--prompt"}
+
+
+def flag(field: str) -> str:
+    """The flag of a field of `mtp.decoding.DecodeRequest`, for its messages
+    (`RequestError.messages(flag)`)."""
+    return FLAGS.get(field) or "--" + field.replace("_", "-")
 
 
 def device_args(p: argparse.ArgumentParser) -> None:
@@ -41,8 +53,8 @@ def decoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gamma", type=int, default=4, help="tokens the draft model proposes")
     p.add_argument("--lookup", type=int, default=0, metavar="N",
                    help="prompt lookup: the most tokens a round copies from the text so far "
-                        "(decoder lookup: default 10); with self-spec or tree, verified as one "
-                        "more branch beside the heads' drafts (0: none)")
+                        f"(decoder lookup: default {LOOKUP_TOKENS}); with self-spec or tree, "
+                        "verified as one more branch beside the heads' drafts (0: none)")
     p.add_argument("--lookup-ngram", type=int, default=2, metavar="N",
                    help="prompt lookup matches the text's last N..1 tokens")
     p.add_argument("--stop", action="append", default=[],
@@ -50,36 +62,27 @@ def decoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
 
 
-def check_args(p: argparse.ArgumentParser, args: argparse.Namespace):
-    """Every flag in range before anything loads, all problems reported together, each naming
-    its flag; returns the `--tree` as a `mtp.decoding.Tree` (refused where it is too large)."""
-    import math
+def decode_request(args: argparse.Namespace, **fields):
+    """The decoding flags as a `mtp.decoding.DecodeRequest`; `fields` give the rest (the
+    decoder, heads, tree) or override a flag."""
+    from mtp.decoding import DecodeRequest
 
+    flags = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                 top_k=args.top_k, top_p=args.top_p, gamma=args.gamma, lookup=args.lookup,
+                 lookup_ngram=args.lookup_ngram)
+    return DecodeRequest(**{**flags, **fields})
+
+
+def check_args(args: argparse.Namespace):
+    """The flags beside a request's, before anything loads: `--tree` as a `mtp.decoding.Tree`
+    (None where it is refused) and the problems of `--tree`, `--threads` and `--device`."""
     import torch
 
     from mtp.decoding import Tree
 
     problems = []
-
-    def need(flag: str, value, ok: bool, want: str) -> None:
-        if value is not None and not ok:
-            problems.append(f"{flag} must be {want} (got {value})")
-
-    t = args.temperature
-    need("--max-new-tokens", args.max_new_tokens, args.max_new_tokens >= 1, ">= 1")
-    need("--temperature", t, t is not None and math.isfinite(t) and t >= 0, "finite and >= 0")
-    need("--top-k", args.top_k, args.top_k is not None and args.top_k >= 1, ">= 1")
-    need("--top-p", args.top_p, args.top_p is not None and 0 < args.top_p <= 1, "in (0, 1]")
-    need("--gamma", args.gamma, args.gamma >= 1, ">= 1")
-    need("--lookup", args.lookup, args.lookup >= 0, ">= 0")
-    need("--lookup-ngram", args.lookup_ngram, args.lookup_ngram >= 1, ">= 1")
-    need("--threads", args.threads, args.threads is not None and args.threads >= 1, ">= 1")
-    for name in ("limit", "repeat", "batch_size", "calib_prompts"):
-        value = getattr(args, name, None)
-        need(f"--{name.replace('_', '-')}", value, value is not None and value >= 1, ">= 1")
-    for name in ("warmup", "auto_tree"):
-        value = getattr(args, name, None)
-        need(f"--{name.replace('_', '-')}", value, value is not None and value >= 0, ">= 0")
+    if args.threads is not None and args.threads < 1:
+        problems.append(f"--threads must be >= 1 (got {args.threads})")
     try:
         torch.device(args.device)
     except RuntimeError as e:
@@ -97,21 +100,26 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace):
             tree = Tree.from_widths(widths)
         except ValueError as e:
             problems.append(f"--tree {args.tree}: {e}")
-    decoder = getattr(args, "decoder", None)
-    if decoder == "greedy" and t:
-        problems.append("--temperature > 0 samples: use --decoder sample (or a speculative "
-                        "decoder, which then samples exactly)")
-    if decoder == "sample" and t == 0:
-        problems.append("--decoder sample needs --temperature > 0 (0 is --decoder greedy)")
+    return tree, problems
+
+
+def request_problems(requests, names=flag, **known) -> list[str]:
+    """Every problem of `requests` (`mtp.decoding.DecodeRequest.problems(**known)`), each field
+    called `names(field)`; a problem several requests share, once."""
+    messages = [problem.message(names) for r in requests for problem in r.problems(**known)]
+    return list(dict.fromkeys(messages))
+
+
+def refuse(p: argparse.ArgumentParser, problems: list[str]) -> None:
+    """Exit 2 with every problem, if any."""
     if problems:
         p.error(problems[0] if len(problems) == 1 else
                 f"{len(problems)} problems:\n  " + "\n  ".join(problems))
-    return tree
 
 
-def load(p: argparse.ArgumentParser, args: argparse.Namespace, decoders: list[str],
-          heads: list[int]):
-    """Model, tokenizer and draft model, with errors that name the flag."""
+def load(p: argparse.ArgumentParser, args: argparse.Namespace, draft: bool):
+    """Model and tokenizer of --ckpt and, with `draft` and a --draft-ckpt, the draft model and
+    its tokenizer (else None, None); a checkpoint that does not load names its flag."""
     import torch
 
     from mtp.checkpoint import load_checkpoint
@@ -122,34 +130,13 @@ def load(p: argparse.ArgumentParser, args: argparse.Namespace, decoders: list[st
         model, tokenizer = load_checkpoint(args.ckpt, device=args.device)
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         p.error(f"--ckpt: {e}")
-    k = model.cfg.n_future
-    spec = [d for d in decoders if d in ("self-spec", "tree")]
-    if spec and k == 1:
-        p.error(f"--decoder {spec[0]} drafts with heads 2..K, but --ckpt {args.ckpt} has a "
-                "single head (--model.n_future 1); use greedy, sample or draft")
-    tree = getattr(args, "tree", None)
-    if tree and "tree" in decoders:
-        widest = max(int(w) for w in tree.split(","))
-        if widest > model.cfg.vocab_size:
-            p.error(f"--tree {tree}: a level of {widest} candidates is wider than the "
-                    f"vocabulary ({model.cfg.vocab_size} tokens)")
-    bad = [h for h in heads if not 1 <= h <= k]
-    if bad:
-        p.error(f"--heads must lie in [1, {k}]: --ckpt has {k} heads (got {bad[0]})")
-    draft = None
-    if "draft" in decoders:
-        if args.draft_ckpt is None:
-            p.error("--decoder draft needs --draft-ckpt (a small checkpoint to draft with)")
+    draft_model = draft_tokenizer = None
+    if draft and args.draft_ckpt is not None:
         try:
-            draft, draft_tok = load_checkpoint(args.draft_ckpt, device=args.device)
+            draft_model, draft_tokenizer = load_checkpoint(args.draft_ckpt, device=args.device)
         except (FileNotFoundError, ValueError, RuntimeError) as e:
             p.error(f"--draft-ckpt: {e}")
-        if draft_tok.to_str() != tokenizer.to_str():
-            p.error(f"--draft-ckpt {args.draft_ckpt} has a different tokenizer from --ckpt")
-        if draft.cfg.vocab_size != model.cfg.vocab_size:
-            p.error(f"--draft-ckpt has vocabulary {draft.cfg.vocab_size}, --ckpt "
-                    f"{model.cfg.vocab_size}")
-    return model, tokenizer, draft
+    return model, tokenizer, draft_model, draft_tokenizer
 
 
 def text_decoder(tokenizer):
@@ -240,21 +227,18 @@ def generate_main(argv: list[str]) -> int:
     decoding_args(p)
     device_args(p)
     args = p.parse_args(argv)
-    tree = check_args(p, args)
-    heads = [] if args.heads is None else [args.heads]
-    model, tokenizer, draft = load(p, args, [args.decoder], heads)
+    tree, problems = check_args(args)
+    request = decode_request(args, decoder=args.decoder, heads=args.heads, tree=tree)
+    refuse(p, problems + request_problems([request]))
+    model, tokenizer, draft, draft_tokenizer = load(p, args, draft=args.decoder == "draft")
+    ids = tokenizer.encode(args.prompt).ids
+    refuse(p, request_problems([request], model=model, draft_model=draft, prompts=[ids],
+                               tokenizer=tokenizer, draft_tokenizer=draft_tokenizer))
     import torch
 
     from mtp.decoding import generate
     from mtp.vocab import eot_id
 
-    ids = tokenizer.encode(args.prompt).ids
-    window = model.cfg.max_seq_len
-    if not ids:
-        p.error("--prompt is empty")
-    if len(ids) >= window:
-        p.error(f"--prompt has {len(ids)} tokens but the checkpoint's context window "
-                f"(--model.max_seq_len) is {window}, which leaves no room for new tokens")
     decode = text_decoder(tokenizer)
     show = args.show_drafts
     if show == "auto":
@@ -263,23 +247,15 @@ def generate_main(argv: list[str]) -> int:
         show = "none"
     stream = _Stream(decode, show)
     common = dict(eot_id=eot_id(tokenizer, model.cfg), stop=args.stop, decode=decode)
-    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     sys.stdout.write(args.prompt)
-    try:
-        out, stats = generate(
-            model, [ids], args.max_new_tokens, decoder=args.decoder, heads=args.heads,
-            tree=tree, draft_model=draft, gamma=args.gamma, adaptive=args.adaptive,
-            lookup=args.lookup, lookup_ngram=args.lookup_ngram,
-            generator=torch.Generator(device=args.device).manual_seed(args.seed),
-            on_tokens=stream, **sampling, **common,
-        )
-    except ValueError as e:
-        p.error(str(e))
+    generator = torch.Generator(device=args.device).manual_seed(args.seed)
+    out, stats = generate(model, [ids], request.max_new_tokens, **request.arguments(),
+                          draft_model=draft, adaptive=args.adaptive, generator=generator,
+                          on_tokens=stream, **common)
     stream.finish(out[0])
     if stream.legend():
         print(stream.legend())
-    if draft is not None and args.decoder == "draft":  # the draft model's window binds too
-        window = min(window, draft.cfg.max_seq_len)
+    window = request.window(model, draft)
     if len(out[0]) < args.max_new_tokens and len(ids) + len(out[0]) >= window:
         print(f"note: stopped at the context window (--model.max_seq_len {window}): "
               f"{len(out[0])} of --max-new-tokens {args.max_new_tokens} new tokens after "

@@ -14,7 +14,7 @@ positions ahead):
   token t + i - 1, the token head i - 1 predicts. It RMS-normalises each, concatenates them,
   projects 2d -> d and runs one transformer block. The embedding is the trunk's own. Training
   feeds the true tokens (teacher forcing); drafting feeds each head the token drafted by the one
-  before (`mtp.decoding.chain`).
+  before (`mtp.decoding.chained`).
 
 Parallel heads are called as head(h, cos, sin, kv, slots, mask), chained ones as
 head(x, emb, cos, sin, kv, slots, mask): x is head i - 1's output, emb the embedded tokens.

@@ -3,7 +3,7 @@ an optional KV cache, the SwiGLU MLP and the pre-norm block.
 
 Dimension names: B batch, T new tokens, S cached slots, d width, H attention heads, Hkv key/value
 heads, hd head width. A leading "..." is (B,) for one block and (J, B) for J blocks stacked by
-`mtp.model.stack_blocks`.
+`mtp.decoding.stacked.stack_blocks`.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 Head i (1-based) at position t is trained on token t + i of the window. `mtp_inputs_targets` cuts
 the K target rows out of a window of T + K tokens. `naive_mtp_loss` is the reference that holds
 all K heads' logits at once; `sequential_mtp_loss` runs the heads one at a time through the fused
-linear-cross-entropy kernel, so no [N, V] logits buffer is ever held; `head_metrics` evaluates.
+linear-cross-entropy kernel, so no [N, V] logits buffer is ever held. Both compute gradients;
+`head_metrics` computes the same per-head losses and accuracies without them (validation).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def greedy_predictions(model: MTPTransformer, h: torch.Tensor,
                        rope: tuple[torch.Tensor, torch.Tensor], chunk: int = 4096) -> torch.Tensor:
     """Head 1's argmax (B, T) at every position of the trunk output h (B, T, d), over at most
     `chunk` positions at a time, so no logits of the whole batch are held."""
-    z = model.head_hidden(0, h, rope).flatten(0, 1)  # (B * T, d)
+    z = model.norm(model.head_output(0, h, rope)).flatten(0, 1)  # (B * T, d)
     return torch.cat([model.unembed(part).argmax(-1) for part in z.split(chunk)]) \
         .view(h.shape[0], -1)
 
@@ -151,13 +152,13 @@ class _SequentialHeads(torch.autograd.Function):
     """
 
     # NOTE: design. The alternative that lets FSDP's own hooks shard the heads keeps each head in
-    # the ordinary autograd graph under activation checkpointing. Measured against this node,
-    # fp32, one process: a whole step of the `cpu` model (matched parameters, 16 x 128 tokens,
-    # 2 threads, interleaved, median of 6) took 815 ms at K = 4 (1.45x K = 1) here, 946 ms
-    # (1.60x) keeping each head's dL/dz until its recomputed backward, 1291 ms (1.88x)
-    # recomputing the loss in the backward instead; the loss path's peak at (N, d, V) =
-    # (4096, 512, 32768) grew from K = 1 to K = 8 by 1.18x here, 1.19x and 1.28x there (the
-    # heads' own parameter gradients, 12.6 MiB each, are most of that).
+    # the ordinary autograd graph under activation checkpointing, so each head's forward runs
+    # again in the backward: it must either keep each head's dL/dz until that recomputed
+    # backward or recompute the loss there too. Measured against this node (a whole step of the
+    # `cpu` model as `mtp bench train` runs it; the loss path's peak as `mtp bench loss` runs
+    # it, K = 1 to 8), both variants were slower per step and their peak grew at least as much
+    # with K, recomputing the loss most of all. Most of the growth with K that this node keeps
+    # is the heads' own parameter gradients.
 
     @staticmethod
     def forward(ctx, model, rope, targets, weights, with_accuracy, fwd_bwd, h, *params):
@@ -331,8 +332,8 @@ def mtp_loss(
     strategy: str = "sequential",
     with_accuracy: bool = False,
 ) -> MTPLossOutput:
-    """The MTP loss by `--loss.strategy`: `naive_mtp_loss` or `sequential_mtp_loss` (without
-    gradients the latter computes metrics only, chunked: `head_metrics`)."""
+    """The MTP loss by `--loss.strategy`: `naive_mtp_loss` or `sequential_mtp_loss`, both for a
+    step with gradients (without them, `head_metrics`)."""
     if strategy == "naive":
         return naive_mtp_loss(model, inputs, targets, head_weights)
     if strategy == "sequential":
@@ -355,9 +356,13 @@ def sequential_mtp_loss(
     kernel (`sequential_heads_loss`); the trunk backward runs once, with dL/dh summed over heads.
     Gradients equal those of `naive_mtp_loss`. Top-1 accuracy costs one more unembedding
     matmul per head (chunked, no gradient), so it is computed only when asked for.
+
+    The heads' gradients are computed inside this call, so it needs grad mode: metrics without
+    gradients (validation) are `head_metrics`.
     """
     if not torch.is_grad_enabled():
-        return head_metrics(model, inputs, targets, head_weights)
+        raise RuntimeError("sequential_mtp_loss computes the heads' gradients in its forward and "
+                           "needs grad mode; without gradients, use mtp.loss.head_metrics")
     return model(inputs, heads_fn=functools.partial(
         sequential_heads_loss, model, targets=targets, head_weights=head_weights,
         with_accuracy=with_accuracy))
@@ -401,7 +406,8 @@ def head_metrics(
     head_weights: list[float] | None = None,
     chunk: int = 1024,
 ) -> MTPLossOutput:
-    """Per-head loss and top-1 accuracy without gradients, holding chunk x V logits at most."""
+    """Per-head loss and top-1 accuracy without gradients, holding chunk x V logits at most:
+    what validation logs (`MTPModule.validation_step`), whatever `--loss.strategy` trains with."""
     return model(inputs, heads_fn=functools.partial(_heads_metrics, model, targets=targets,
                                                     head_weights=head_weights, chunk=chunk))
 

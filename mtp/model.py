@@ -11,9 +11,8 @@ H attention heads, Hkv key/value heads, hd head width.
 
 from __future__ import annotations
 
-import copy
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import torch
@@ -26,7 +25,7 @@ from mtp.layers import Attention, Block, RMSNorm, rope_tables
 T_out = TypeVar("T_out")
 
 __all__ = [
-    "KVCache", "MODEL_REGISTRY", "MTPTransformer", "ModelConfig", "build_model", "stack_blocks",
+    "KVCache", "MODEL_REGISTRY", "MTPTransformer", "ModelConfig", "build_model",
 ]
 
 
@@ -72,58 +71,33 @@ class KVCache:
             buf.scatter_(3, dst[None, :, None, :, None].expand_as(idx), moved)
 
 
-class StackedLinear(nn.Module):
-    """J linear maps applied at once: (J, ..., in) -> (J, ..., out) in one matmul."""
-
-    def __init__(self, weights: Sequence[torch.Tensor],
-                 biases: Sequence[torch.Tensor] | None = None) -> None:
-        super().__init__()
-        self.register_buffer("weight_t", torch.stack([w.detach().T for w in weights]),
-                             persistent=False)  # (J, in, out)
-        bias = None if biases is None else torch.stack([b.detach() for b in biases])[:, None]
-        self.register_buffer("bias", bias, persistent=False)  # (J, 1, out) or None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        j, d_in, d_out = self.weight_t.shape
-        flat = x.reshape(j, -1, d_in)
-        out = torch.bmm(flat, self.weight_t) if self.bias is None else \
-            torch.baddbmm(self.bias, flat, self.weight_t)
-        return out.view(*x.shape[:-1], d_out)
-
-
-def stack_blocks(blocks: Sequence[nn.Module]) -> nn.Module:
-    """J modules of one kind (e.g. heads of one type) as one module of the same class.
-
-    The result runs the class's own forward on inputs with a leading axis of J, (J, B, T, d) ->
-    (J, B, T, d), and with a cache of J layers (J, B, Hkv, S, hd): each linear map becomes a
-    `StackedLinear` and each norm gain a (J, 1, 1, d) tensor, so every op runs once for all J
-    blocks. A snapshot for inference: later changes to the blocks' weights are not seen.
-    """
-    kinds = {type(b) for b in blocks}
-    if len(kinds) != 1:
-        names = sorted(k.__name__ for k in kinds)
-        raise ValueError(f"stack_blocks needs blocks of one class (got {names})")
-    stacked = copy.deepcopy(blocks[0]).requires_grad_(False)
-    for name, module in blocks[0].named_modules():
-        parts = [b.get_submodule(name) for b in blocks]
-        if isinstance(module, nn.Linear):
-            parent, _, leaf = name.rpartition(".")
-            biases = None if module.bias is None else [p.bias for p in parts]
-            setattr(stacked.get_submodule(parent), leaf,
-                    StackedLinear([p.weight for p in parts], biases))
-        elif isinstance(module, RMSNorm):
-            norm = stacked.get_submodule(name)
-            del norm.weight
-            norm.weight = torch.stack([p.weight.detach() for p in parts])[:, None, None, :]
-    return stacked
-
-
 class MTPTransformer(nn.Module):
     """Shared trunk, K heads, one shared final norm and unembedding.
 
-    The three entry points are `trunk` (tokens to trunk output h), `head_hidden` (h to the
-    normalised input of the unembedding for one head) and `forward` (logits of every head). The
-    memory-efficient loss uses the first two with the unembedding weight `self.unembed.weight`.
+    Entry points, by what they return, and who calls each:
+
+    - `model(idx, heads=n)`: logits (n, B, T, V) of heads 1..n, optionally over a KV cache;
+      scoring and references (`mtp.lmeval`, the head accuracies of `mtp.decoding.tree`, the
+      experiments and the tests).
+    - `model(idx, heads_fn=fn)`: `fn(h, rope)` of the trunk output h, inside the model's
+      forward, so FSDP's root unit (`mtp.parallel`) gathers the embedding, final norm and
+      unembedding for it. Every loss and metric of `mtp.loss` runs its heads this way
+      (`naive_mtp_loss`, `sequential_mtp_loss`, `head_metrics`, `simulated_acceptance`), and
+      so do the self-distillation targets (`mtp.module.self_targets`).
+    - `trunk`: the trunk output h (B, T, d) and the rotary tables; the decode loop's cached
+      forward (`mtp.decoding.engine`) and the frozen trunk of heads-only training
+      (`mtp.frozen`).
+    - `head_output`: one head's output (B, T, d) before the shared norm (`norm` of it is the
+      head's normalised state); for callers that run a head on its own: in `mtp.loss`,
+      `sequential_mtp_loss` (one head at a time, an FSDP head gathered) and
+      `greedy_predictions`; `mtp.frozen.heads_loss`; in `mtp.decoding`, head 1 of every
+      forward and the chained-heads drafter, which feeds each output to the next head.
+    - `head_states`: every head's normalised hidden state (B, T, d) in turn, chained heads fed
+      on one another; the logits of `forward`, `naive_mtp_loss`, `head_metrics` and
+      `simulated_acceptance`.
+
+    The logits of a normalised state z are `unembed(z)` for head 1 and `draft_logits(z)` for
+    heads 2..K; `head_unembed` and `head_targets` give a head's unembedding rows and classes.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -197,7 +171,8 @@ class MTPTransformer(nn.Module):
                 T new tokens.
 
         Returns:
-            The trunk output h (B, T, d) and the rotary tables to pass on to `head_hidden`.
+            The trunk output h (B, T, d) and the rotary tables to pass on to `head_output` or
+            `head_states`.
         """
         if cache is not None and (slots is None or mask is None):
             raise ValueError("decoding with a KV cache needs both `slots` and `mask`")
@@ -242,12 +217,6 @@ class MTPTransformer(nn.Module):
             return run(x, self.embed(tokens.clamp(min=0)), *rope, kv, slots, mask)
         return run(x, *rope, kv, slots, mask)
 
-    def head_hidden(self, i: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                    **kw) -> torch.Tensor:
-        """Normalised input of the unembedding for head i, (B, T, d): `head_output`, normed; the
-        logits are `unembed(head_hidden(...))`."""
-        return self.norm(self.head_output(i, x, rope, **kw))
-
     def head_unembed(self, i: int) -> torch.Tensor:
         """The unembedding rows head i (0-based) predicts over: W (V, d), or for heads 2..K with
         a draft vocabulary its rows W[draft_ids] (Vd, d)."""
@@ -280,14 +249,20 @@ class MTPTransformer(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         tokens: torch.Tensor | None = None,
         heads: int | None = None,
+        *,
+        cache: KVCache | None = None,
+        slots: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
     ) -> Iterator[torch.Tensor]:
         """Normalised hidden states (B, T, d) of heads 0..heads-1 in order, from the trunk output
         h (B, T, d); chained heads read one another and head i reads tokens[i - 1], e.g. the
-        targets (K, B, T) of `mtp.loss.mtp_inputs_targets`."""
+        targets (K, B, T) of `mtp.loss.mtp_inputs_targets`. `cache`, `slots` and `mask` are
+        `head_output`'s."""
         x = h
         for i in range(self.cfg.n_future if heads is None else heads):
             out = self.head_output(i, x if self.chained else h, rope,
-                                   tokens=None if tokens is None or i == 0 else tokens[i - 1])
+                                   tokens=None if tokens is None or i == 0 else tokens[i - 1],
+                                   cache=cache, slots=slots, mask=mask)
             x = out
             yield self.norm(out)
 
@@ -302,16 +277,19 @@ class MTPTransformer(nn.Module):
         mask: torch.Tensor | None = None,
         heads_fn: Callable[[torch.Tensor, tuple[torch.Tensor, torch.Tensor]], T_out] | None = None,
     ) -> torch.Tensor | T_out:
-        """Logits of the first `heads` heads (default all K): (K, B, T, V); with a draft
-        vocabulary, heads 2..K's are -inf outside it (`draft_logits`).
+        """Logits (heads, B, T, V) of the first `heads` heads (default all K); with a draft
+        vocabulary, heads 2..K's are -inf outside it (`draft_logits`). `positions`, `cache`,
+        `slots` and `mask` are `trunk`'s, and reach the heads' cache layers too.
 
         Chained heads (`deepseek`) read the input itself: head i at position t reads token
         t + i of idx, teacher-forced; where that lies past idx (the last i positions) it reads
-        idx's last token, so those logits of heads 2..K are placeholders.
+        idx's last token, so those logits of heads 2..K are placeholders. A cached forward of
+        chained heads gives head 1 only (`mtp.decoding` drafts with the others).
 
-        With `heads_fn`, return `heads_fn(h, rope)` of the trunk output h (B, T, d) instead: the
-        memory-efficient loss runs the heads itself, and doing so inside this call lets wrappers
-        that hook the forward (FSDP, DDP) see one forward of the whole model.
+        With `heads_fn`, return `heads_fn(h, rope)` of the trunk output h (B, T, d) instead of
+        logits (`heads` is then unused): the losses and metrics of `mtp.loss` run the heads
+        themselves, and doing so inside this call lets a wrapper that hooks the model's forward
+        (FSDP's root unit) see one forward of the whole model.
         """
         heads = self.cfg.n_future if heads is None else heads
         if not 1 <= heads <= self.cfg.n_future:
@@ -319,22 +297,18 @@ class MTPTransformer(nn.Module):
         h, rope = self.trunk(idx, positions=positions, cache=cache, slots=slots, mask=mask)
         if heads_fn is not None:
             return heads_fn(h, rope)
-        if cache is not None:
-            if self.chained and heads > 1:
+        tokens = None
+        if self.chained and heads > 1:
+            if cache is not None:
                 raise ValueError("a cached forward of chained heads needs each head's own "
                                  "tokens: decode through mtp.decoding")
-            return torch.stack([
-                (self.draft_logits if i else self.unembed)(
-                    self.head_hidden(i, h, rope, cache=cache, slots=slots, mask=mask))
-                for i in range(heads)
-            ])  # (K, B, T, V)
-        tokens = None
-        if self.chained and heads > 1:  # tokens[i - 1][:, t] = idx[:, t + i], clamped at the end
+            # tokens[i - 1][:, t] = idx[:, t + i], clamped at the end
             t = torch.arange(idx.shape[1], device=idx.device)
             tokens = torch.stack([idx[:, (t + i).clamp(max=idx.shape[1] - 1)]
                                   for i in range(1, heads)])
+        states = self.head_states(h, rope, tokens, heads, cache=cache, slots=slots, mask=mask)
         return torch.stack([self.unembed(z) if i == 0 else self.draft_logits(z)
-                            for i, z in enumerate(self.head_states(h, rope, tokens, heads))])
+                            for i, z in enumerate(states)])  # (heads, B, T, V)
 
     def num_params(self, *, embedding: bool = True) -> int:
         """Parameter count (shared tensors counted once); optionally without the input embedding."""

@@ -17,6 +17,7 @@ from mtp.frozen import FrozenTrunk, heads_loss
 from mtp.loss import (
     MTPLossOutput,
     greedy_predictions,
+    head_metrics,
     mtp_inputs_targets,
     mtp_loss,
     scheduled_head_weights,
@@ -50,12 +51,19 @@ class MTPModule(L.LightningModule):
         self.trunk_cache: FrozenTrunk | None = None  # `--optim.train heads` (`mtp.frozen`)
 
     # -- the step --------------------------------------------------------------------------
-    def compute_loss(self, window: torch.Tensor, *, with_accuracy: bool = True,
-                     head_weights: list[float] | None = None) -> MTPLossOutput:
-        """The loss of windows (B, T + K), with `head_weights` (default `--loss.head_weights`)."""
+    def inputs_targets(self, window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs (B, T) and targets (K, B, T) of windows (B, T + K): the data's tokens, or the
+        model's own under `--loss.targets self` or `greedy`."""
         inputs, targets = mtp_inputs_targets(window, self.model_cfg.n_future)
         if self.loss_cfg.targets != "data":
             targets = self_targets(self.model, window, chain=self.loss_cfg.targets == "greedy")
+        return inputs, targets
+
+    def compute_loss(self, window: torch.Tensor, *, with_accuracy: bool = True,
+                     head_weights: list[float] | None = None) -> MTPLossOutput:
+        """The training loss of windows (B, T + K) by `--loss.strategy`, with gradients, with
+        `head_weights` (default `--loss.head_weights`)."""
+        inputs, targets = self.inputs_targets(window)
         weights = self.loss_cfg.head_weights if head_weights is None else head_weights
         return mtp_loss(self.model, inputs, targets, weights, strategy=self.loss_cfg.strategy,
                         with_accuracy=with_accuracy)
@@ -101,7 +109,9 @@ class MTPModule(L.LightningModule):
         return out.loss
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
-        out = self.compute_loss(batch)
+        # per-head loss and accuracy without gradients, chunked over the vocabulary whatever
+        # --loss.strategy trains with
+        out = head_metrics(self.model, *self.inputs_targets(batch), self.loss_cfg.head_weights)
         self.log("val/loss", out.loss, sync_dist=True)
         # head 1 is the next-token loss, the number comparable across K and with other models
         self.log("val/next_token_loss", out.head_losses[0], prog_bar=True, sync_dist=True)

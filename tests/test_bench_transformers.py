@@ -85,11 +85,11 @@ def test_transformers_is_refused_where_it_cannot_apply(files, capsys, monkeypatc
     assert "--model.head_type linear" in err
     with pytest.raises(SystemExit) as e:
         bench(["--ckpt", files["untied"], "--transformers", "greedy,beam", "--batch-size", "2",
-               "--temperature", "0.5", "--prompt-lookup-tokens", "0"])
+               "--temperature", "0.5", "--lookup-ngram", "0"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "4 problems:" in err
     for problem in ("--transformers: unknown decoder 'beam'", "drop --batch-size 2",
-                    "drop --temperature", "--prompt-lookup-tokens must be >= 1 (got 0)"):
+                    "drop --temperature", "--lookup-ngram must be >= 1 (got 0)"):
         assert problem in err, problem
     monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed
     with pytest.raises(SystemExit) as e:

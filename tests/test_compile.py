@@ -1,6 +1,10 @@
-"""`--compile.enabled`: the compiled blocks give the eager loss and gradients."""
+"""`--compile.enabled`: the compiled blocks run, and give the eager loss and gradients."""
+
+from collections import Counter
 
 import torch
+from torch._dynamo.utils import counters
+from torch.profiler import ProfilerActivity, profile
 
 from mtp.config import ModelConfig
 from mtp.loss import mtp_inputs_targets, sequential_mtp_loss
@@ -15,9 +19,22 @@ def _loss_and_grads(model, inputs, targets):
     return out, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+def _compiled_regions(model, inputs, targets):
+    """`_loss_and_grads` under the profiler, and how many compiled forwards (Dynamo's frames)
+    and compiled backwards (AOTAutograd's) it ran."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        result = _loss_and_grads(model, inputs, targets)
+    names = Counter(e.name for e in prof.events())
+    forwards = sum(n for name, n in names.items() if name.startswith("Torch-Compiled Region"))
+    return result, forwards, names["CompiledFunctionBackward"]
+
+
 def test_compiled_step_equals_eager():
     """fp32 on CPU: the loss, every head's loss and accuracy, and every gradient to 1e-5, on two
-    steps (the second runs the cached graphs); parameter names are unchanged."""
+    steps (the second runs the cached graphs); parameter names are unchanged. Every block's
+    forward and backward ran compiled code, all five blocks from one graph, compiled once."""
+    torch._dynamo.reset()
+    counters.clear()
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=199, d_model=32, n_layers=2, n_heads=2, n_future=3,
                       max_seq_len=32)
@@ -27,12 +44,14 @@ def test_compiled_step_equals_eager():
     eager = [_loss_and_grads(model, *b) for b in batches]
     compile_blocks(model)
     assert [n for n, _ in model.named_parameters()] == names
-    for (inputs, targets), (want, want_grads) in zip(batches, eager):
-        got, got_grads = _loss_and_grads(model, inputs, targets)
+    steps = [_compiled_regions(model, *b) for b in batches]
+    # one graph for the 2 trunk blocks and 3 block heads, compiled once: the second step reuses it
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    for ((got, got_grads), forwards, backwards), (want, want_grads) in zip(steps, eager):
+        assert (forwards, backwards) == (cfg.n_layers + cfg.n_future,) * 2
         torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=0)
         torch.testing.assert_close(got.head_losses, want.head_losses, rtol=1e-5, atol=0)
         torch.testing.assert_close(got.head_accuracies, want.head_accuracies)
         for name, g in want_grads.items():
             err = (got_grads[name] - g).norm() / g.norm()
             assert err <= 1e-5, f"{name}: relative error {err:.2e}"
-    assert model.blocks[0]._compiled_call_impl is not None  # the compiled path did run

@@ -256,7 +256,7 @@ def test_completer(ckpts) -> None:
     kw.update(temperature=0.8, top_p=0.9, seed=3)
     sample = load_completer(ckpts["k4"], decoder="tree", device="cpu")
     assert sample.complete(prompts * 2, **kw) == sample.complete(prompts * 2, **kw)
-    with pytest.raises(ValueError, match="extra heads"):
+    with pytest.raises(ValueError, match="single head"):
         load_completer(ckpts["k1"], decoder="self-spec", device="cpu")
     with pytest.raises(ValueError, match="unknown decoder"):
         load_completer(ckpts["k4"], decoder="beam", device="cpu")

@@ -123,11 +123,10 @@ def test_fork_bomb_is_contained():
     "x = []\nwhile True:\n    x.append(bytearray(64 << 20))",
 ])
 def test_memory_bomb_fails_fast(bomb):
-    start = time.monotonic()
+    """The memory limit ends the bomb, not the clock: the one process reaches its address-space
+    limit (`Limits.memory_bytes`, also the cgroup's) first, so its allocation raises."""
     result = _run(f"def f():\n{textwrap.indent(bomb, '    ')}\n    return 1\n")
-    assert not result.passed
-    assert "MemoryError" in result.error or result.outcome == "timeout" or "killed" in result.error
-    assert time.monotonic() - start < SHORT.timeout + 10
+    assert result.outcome == "failed" and result.error.startswith("MemoryError"), result
 
 
 def test_files_outside_the_sandbox_are_untouched(tmp_path):

@@ -21,7 +21,7 @@ from decoding_helpers import (
     train_cyclic,
 )
 
-from mtp.decoding import Tree, chain, generate
+from mtp.decoding import Tree, chained, generate
 
 torch.set_num_threads(1)
 
@@ -112,7 +112,7 @@ def test_deepseek_drafts_condition_on_their_own_drafts(deepseek_trained, monkeyp
     tree = Tree.from_widths([2, 2, 1])
     seen, children_differ = 0, 0
     proposals = []
-    propose = chain.ChainHeads.propose
+    propose = chained.ChainedHeads.propose
 
     def recording(self, ctx, pending, n):
         prop = propose(self, ctx, pending, n)
@@ -120,7 +120,7 @@ def test_deepseek_drafts_condition_on_their_own_drafts(deepseek_trained, monkeyp
         proposals.append((seqs, prop))
         return prop
 
-    monkeypatch.setattr(chain.ChainHeads, "propose", recording)
+    monkeypatch.setattr(chained.ChainedHeads, "propose", recording)
     for model in (early, full):
         prompts = cyclic_prompts(model, 4, seed=7)
         proposals.clear()
@@ -151,7 +151,7 @@ def test_deepseek_chain_drafts_are_the_teacher_forced_chain(deepseek_trained, mo
     in rounds after accepted and rejected drafts and with rows of different lengths."""
     full, early = deepseek_trained
     checked = 0
-    propose = chain.ChainHeads.propose
+    propose = chained.ChainedHeads.propose
 
     def checking(self, ctx, pending, n):
         nonlocal checked
@@ -165,7 +165,7 @@ def test_deepseek_chain_drafts_are_the_teacher_forced_chain(deepseek_trained, mo
                 checked += 1
         return prop
 
-    monkeypatch.setattr(chain.ChainHeads, "propose", checking)
+    monkeypatch.setattr(chained.ChainedHeads, "propose", checking)
     for model in (early, full):
         prompts = cyclic_prompts(model, 6, seed=8) + [[3]]  # a prompt shorter than the chain
         ref, _ = generate(model, prompts, 24)

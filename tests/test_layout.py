@@ -26,19 +26,24 @@ def _modules() -> dict[str, Path]:
     return mods
 
 
+def _from_base(name: str, path: Path, node: ast.ImportFrom) -> str:
+    """The absolute module of `from ... import` in module `name`, relative imports resolved."""
+    if not node.level:
+        return node.module or ""
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    up = package[: len(package) - (node.level - 1)]
+    return ".".join([*up, *([node.module] if node.module else [])])
+
+
 def _imports(name: str, path: Path, mods: dict[str, Path]) -> set[str]:
     """The project modules `name` imports: `import a.b`, `from a import b` (module b, or else
     the package a), relative imports resolved."""
     out = set()
-    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names if a.name in mods}
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                up = package[: len(package) - (node.level - 1)]
-                base = ".".join([*up, *([node.module] if node.module else [])])
+            base = _from_base(name, path, node)
             for alias in node.names:
                 sub = f"{base}.{alias.name}" if base else alias.name
                 out |= {sub} if sub in mods else ({base} if base in mods else set())
@@ -74,6 +79,67 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def _private(attr: str) -> bool:
+    """A name private to its module: a leading underscore, not a dunder."""
+    return attr.startswith("_") and not (attr.startswith("__") and attr.endswith("__"))
+
+
+def _private_uses(name: str, path: Path, mods: dict[str, Path], root: Path = ROOT) -> list[str]:
+    """Where module `name` reaches into another project module's private names, as
+    'file:line: module._name': `from m import _x` (relative too), `import m._x`, and `m._x` or
+    `getattr(m, "_x")` on a name bound to a project module by an import."""
+    tree = ast.parse(path.read_text())
+    bound: dict[str, str] = {}  # local name -> the project module it is bound to
+    found = []
+
+    def hit(node: ast.AST, module: str, attr: str) -> None:
+        if module != name:
+            found.append((node.lineno, f"{path.relative_to(root)}:{node.lineno}: {module}.{attr}"))
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                for i in range(1, len(parts)):
+                    if ".".join(parts[:i]) in mods and _private(parts[i]):
+                        hit(node, ".".join(parts[:i]), parts[i])
+                if alias.asname and alias.name in mods:
+                    bound[alias.asname] = alias.name
+                elif not alias.asname and parts[0] in mods:
+                    bound[parts[0]] = parts[0]
+        elif isinstance(node, ast.ImportFrom):
+            base = _from_base(name, path, node)
+            if base not in mods:
+                continue
+            for alias in node.names:
+                if _private(alias.name):
+                    hit(node, base, alias.name)
+                elif f"{base}.{alias.name}" in mods:
+                    bound[alias.asname or alias.name] = f"{base}.{alias.name}"
+
+    def module_of(expr: ast.expr) -> str | None:
+        """The project module an expression such as `mtp.eval.sandbox` names, if any."""
+        if isinstance(expr, ast.Name):
+            return bound.get(expr.id)
+        if isinstance(expr, ast.Attribute):
+            outer = module_of(expr.value)
+            if outer and f"{outer}.{expr.attr}" in mods:
+                return f"{outer}.{expr.attr}"
+        return None
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            if (module := module_of(node.value)) is not None:
+                hit(node, module, node.attr)
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("getattr", "setattr", "hasattr") and len(node.args) >= 2
+              and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)
+              and _private(node.args[1].value)):
+            if (module := module_of(node.args[0])) is not None:
+                hit(node, module, node.args[1].value)
+    return [h for _, h in sorted(found)]
+
+
 def test_the_cycle_finder_finds_a_cycle_behind_a_lazy_import(tmp_path):
     (tmp_path / "a.py").write_text("import b\n")
     (tmp_path / "b.py").write_text("def f():\n    from c import g\n")
@@ -88,6 +154,39 @@ def test_no_import_cycle_among_the_projects_modules():
     graph = {m: _imports(m, p, mods) for m, p in mods.items()}
     assert len(graph) > 40 and graph["mtp.bench.decode"] >= {"mtp.decode_cli", "mtp.decoding"}
     assert _cycles(graph) == []
+
+
+def test_the_private_name_finder_finds_each_form(tmp_path):
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "__init__.py").write_text("from .a import _y\n")
+    (tmp_path / "p" / "a.py").write_text("_x = _y = 1\n__version__ = 1\n")
+    (tmp_path / "p" / "b.py").write_text(
+        "from . import a\n"
+        "from .a import __version__, _x\n"                  # line 2: _x, not the dunder
+        "from p.a import _x as y\n"                         # line 3
+        "import p.a as pa\n"
+        "import p\n"
+        "import os\n"
+        "def f():\n"
+        "    return a._x, pa._x, p.a._x, getattr(a, '_x'), os._exit, a.public, _x\n"  # line 8
+        "class C:\n"
+        "    _z = 1\n"
+        "    def g(self):\n"
+        "        return self._z\n")
+    mods = {"p": tmp_path / "p" / "__init__.py", "p.a": tmp_path / "p" / "a.py",
+            "p.b": tmp_path / "p" / "b.py"}
+    assert _private_uses("p.b", mods["p.b"], mods, tmp_path) == [
+        "p/b.py:2: p.a._x", "p/b.py:3: p.a._x", *["p/b.py:8: p.a._x"] * 4]
+    assert _private_uses("p", mods["p"], mods, tmp_path) == ["p/__init__.py:1: p.a._y"]
+    assert _private_uses("p.a", mods["p.a"], mods, tmp_path) == []
+
+
+def test_no_module_imports_another_modules_private_name():
+    """STYLE 17: a module's `_private` names are its own; another module of mtp, kernels or
+    eval reaches them neither by `from m import _x` nor by `m._x`."""
+    mods = _modules()
+    found = [h for m, p in mods.items() for h in _private_uses(m, p, mods)]
+    assert not found, "private names used outside their module:\n  " + "\n  ".join(found)
 
 
 @pytest.mark.parametrize("package", ["mtp.kernels", "mtp.eval"])
@@ -117,6 +216,7 @@ def test_the_package_exports_its_public_contract_lazily():
 
     code = ("import sys, mtp\n"
             "assert 'torch' not in sys.modules\n"
+            "assert set(dir(mtp)) >= set(mtp.__all__)  # listed before first use\n"
             "assert mtp.MTPTransformer.__module__ == 'mtp.model'\n"
             "assert mtp.generate.__module__ == 'mtp.decoding'\n"
             "print(sorted(mtp.__all__))")
@@ -130,4 +230,5 @@ def test_the_package_exports_its_public_contract_lazily():
 
     for name in mtp.__all__:
         assert getattr(mtp, name) is not None
-    assert "Multi-token" in mtp.__doc__ or "multi-token" in mtp.__doc__
+    with pytest.raises(AttributeError, match="'not_exported'"):
+        mtp.not_exported

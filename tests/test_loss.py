@@ -109,6 +109,12 @@ def test_head_metrics_match_naive():
     torch.testing.assert_close(acc, naive.head_accuracies.float())
 
 
+def test_sequential_loss_without_grad_mode_points_to_head_metrics():
+    model, inputs, targets = _setup(2)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="head_metrics"):
+        sequential_mtp_loss(model, inputs, targets)
+
+
 class _LargestTensor(TorchDispatchMode):
     """Records the largest number of elements of any tensor an op produces."""
 

@@ -105,8 +105,8 @@ def _site_packages() -> list[str]:
     """The sample interpreter's site-packages directories, asked of it once.
 
     Samples start with ``-S`` and get these on ``sys.path`` directly: the ``site`` module's
-    processing of ``.pth`` files can cost more than the rest of a sample (70 ms of 120 on a
-    machine whose ``.pth`` imports ``certifi``), and the benchmarks need only the packages
+    processing of ``.pth`` files can cost more than the rest of a sample (on a machine whose
+    ``.pth`` imports ``certifi``), and the benchmarks need only the packages
     themselves (numpy, for the EvalPlus tests)."""
     proc = subprocess.run([sample_python(), "-I", "-c",
                            "import json, site; print(json.dumps(site.getsitepackages()))"],
@@ -119,7 +119,7 @@ def _site_packages() -> list[str]:
 
 @functools.cache
 def _program(entry: str) -> bytes:
-    """What a sandboxed interpreter runs, compiled once here (5 ms a start saved): its
+    """What a sandboxed interpreter runs, compiled once here rather than at every start: its
     ``sys.path``, :mod:`mtp.eval.wire`, :mod:`mtp.eval.inside`, then the call of one of the
     latter's entry points. The sample interpreter is this one's base, so the bytecode fits."""
     eval_dir = Path(__file__).parents[1]  # mtp.eval's folder

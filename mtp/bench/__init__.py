@@ -128,13 +128,9 @@ def _decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transformers", default="", metavar="DECODERS",
                    help="also time transformers' generate on the same weights (head 1 as a "
                         "LlamaForCausalLM, mtp.hf), comma-separated from "
-                        + ", ".join(TRANSFORMERS_DECODERS) + "; greedy, one prompt at a time")
-    p.add_argument("--prompt-lookup-tokens", type=int, default=10, metavar="N",
-                   help="transformers prompt-lookup: tokens proposed per round "
-                        "(prompt_lookup_num_tokens)")
-    p.add_argument("--prompt-lookup-ngram", type=int, default=2, metavar="N",
-                   help="transformers prompt-lookup: longest n-gram of the text so far it "
-                        "matches (max_matching_ngram_size)")
+                        + ", ".join(TRANSFORMERS_DECODERS) + "; greedy, one prompt at a time; "
+                        "its prompt-lookup takes --lookup and --lookup-ngram as mtp's lookup does "
+                        "(prompt_lookup_num_tokens, max_matching_ngram_size)")
     decoding_args(p)
     device_args(p)
 

@@ -9,8 +9,10 @@ greedy emits: an upper bound that measures the loop's own cost, whatever the hea
 `--transformers` adds transformers' own `generate` (greedy, prompt lookup) on the same weights,
 head 1 as a `LlamaForCausalLM` (`mtp.hf`), taking its turns on each prompt with mtp's decoders.
 Decoder `lookup` is prompt lookup in mtp's loop; `--lookup N` adds a twin of every heads' row
-whose rounds also verify prompt lookup's continuation as one more branch.
-The decoding flags are `mtp generate`'s (`mtp.decode_cli`).
+whose rounds also verify prompt lookup's continuation as one more branch, and sets transformers'
+prompt lookup too (`--lookup-ngram` likewise): one pair of flags for one setting.
+The decoding flags are `mtp generate`'s (`mtp.decode_cli`): each row is a
+`mtp.decoding.DecodeRequest`, checked with the model before anything runs.
 """
 
 from __future__ import annotations
@@ -27,25 +29,28 @@ import torch
 
 from mtp.bench import TRANSFORMERS_DECODERS
 from mtp.bench.report import publish
-from mtp.config import DECODERS
-from mtp.decode_cli import check_args, load, text_decoder
-from mtp.decoding import PHASES, DecodeStats, Tree, generate, head_accuracy
+from mtp.decode_cli import (
+    check_args,
+    decode_request,
+    flag,
+    load,
+    refuse,
+    request_problems,
+    text_decoder,
+)
+from mtp.decoding import PHASES, DecodeRequest, DecodeStats, Tree, generate, head_accuracy
 from mtp.decoding.policy import Adaptive
+from mtp.decoding.request import HEAD_DECODERS
 from mtp.decoding.stopper import Stopper
 
 
 @dataclass
 class _Config:
-    """One row of the benchmark: a decoder with its settings."""
+    """One row of the benchmark: a decode request of mtp, or a decoder of transformers."""
 
     name: str
     decoder: str
-    library: str = "mtp"  # or "transformers": its `generate`, on head 1's weights
-    heads: int = 1
-    tree: Tree | None = None
-    gamma: int = 0
-    lookup: int = 0  # prompt lookup's most tokens per round (decoder lookup, or a branch)
-    ngram: int = 2
+    request: DecodeRequest | None = None  # None: transformers' `generate`, on head 1's weights
     adaptive: bool = False
     policy: Adaptive | None = None  # one for all of the config's calls: it learns across them
     stats: DecodeStats = field(default_factory=DecodeStats)
@@ -54,19 +59,14 @@ class _Config:
     outputs: list[list[int]] = field(default_factory=list)
 
     def kwargs(self, draft, reference) -> dict:
+        """`generate`'s keyword arguments for this row."""
         if self.adaptive and self.policy is None:
             self.policy = Adaptive()
-        kw = {"decoder": self.decoder, "adaptive": self.policy or False}
-        if self.decoder in ("self-spec", "tree"):
-            kw["heads"] = self.heads
-        if self.tree is not None:
-            kw["tree"] = self.tree
+        kw = {**self.request.arguments(), "adaptive": self.policy or False}
         if self.decoder == "draft":
-            kw.update(draft_model=draft, gamma=self.gamma)
+            kw["draft_model"] = draft
         if self.decoder == "oracle":
-            kw.update(reference=reference, gamma=self.gamma)
-        if self.lookup:
-            kw.update(lookup=self.lookup, lookup_ngram=self.ngram)
+            kw["reference"] = reference
         return kw
 
 
@@ -140,16 +140,12 @@ class _Transformers:
                                   row_forwards=self.forwards, prefills=1, seconds=seconds)
 
 
-def _transformers_decoders(p, args) -> list[str]:
-    """`--transformers` as a list, every problem of it and its flags reported together."""
+def _transformers_decoders(args) -> tuple[list[str], list[str]]:
+    """`--transformers` as a list, and every problem of it and the flags it cannot take."""
     names = [d.strip() for d in args.transformers.split(",") if d.strip()]
     problems = [f"--transformers: unknown decoder {d!r}; choose from "
                 f"{', '.join(TRANSFORMERS_DECODERS)}" for d in names
                 if d not in TRANSFORMERS_DECODERS]
-    for flag, value in (("--prompt-lookup-tokens", args.prompt_lookup_tokens),
-                        ("--prompt-lookup-ngram", args.prompt_lookup_ngram)):
-        if value < 1:
-            problems.append(f"{flag} must be >= 1 (got {value})")
     if names:
         if args.batch_size != 1:
             problems.append(f"--transformers decodes one prompt at a time (transformers' prompt "
@@ -161,10 +157,24 @@ def _transformers_decoders(p, args) -> list[str]:
         except ImportError:
             problems.append("--transformers needs the transformers package "
                             "(pip install 'mtp[hf]')")
-    if problems:
-        p.error(problems[0] if len(problems) == 1 else
-                f"{len(problems)} problems:\n  " + "\n  ".join(problems))
-    return list(dict.fromkeys(names))
+    return list(dict.fromkeys(names)), problems
+
+
+def _flag_problems(args) -> list[str]:
+    """The problems of the flags of `mtp bench decode` that `mtp generate` does not have."""
+    problems = []
+    for name, least in (("limit", 1), ("repeat", 1), ("batch_size", 1), ("calib_prompts", 1),
+                        ("warmup", 0), ("auto_tree", 0)):
+        value = getattr(args, name)
+        if value is not None and value < least:
+            problems.append(f"--{name.replace('_', '-')} must be >= {least} (got {value})")
+    return problems
+
+
+def _flag(field: str) -> str:
+    """A decode request's field as `mtp bench decode` calls it: its flag, `--decoders` for the
+    decoder."""
+    return {"decoder": "--decoders", "prompts": "a prompt of --prompts"}.get(field) or flag(field)
 
 
 def read_prompts(p, spec: str, fmt: str, limit: int | None, cfg) -> list[str]:
@@ -245,51 +255,71 @@ def _bare_forward_ms(model, batch: int, t: int, cache_len: int, repeat: int) -> 
     return 1000 * statistics.median(times[2:])
 
 
+def _requests(args, decoders: list[str], tree: Tree | None) -> list[DecodeRequest]:
+    """The request of the reference (greedy, or sample with --temperature) and of each decoder
+    of `--decoders`, with the settings its rows take."""
+    base = "sample" if args.temperature else "greedy"
+    return [decode_request(args, decoder=base if d in ("greedy", "sample") else d,
+                           tree=tree if d == "tree" else None,
+                           lookup=args.lookup if d in (*HEAD_DECODERS, "lookup") else 0)
+            for d in ["greedy", *decoders]]
+
+
 def _configs(args, decoders: list[str], heads: list[int], tree: Tree) -> list[_Config]:
+    """The rows of mtp's decoders (but the auto tree and the lookup twins), the reference first."""
     sampled = bool(args.temperature)
-    configs = [_Config("sample" if sampled else "greedy", "sample" if sampled else "greedy")]
+    base = "sample" if sampled else "greedy"
+
+    def row(name: str, decoder: str, lookup: int = 0, **fields) -> _Config:
+        return _Config(name, decoder, decode_request(args, decoder=decoder, lookup=lookup,
+                                                     **fields))
+
+    configs = [row(base, base)]
     for d in decoders:
         if d == "self-spec":
-            configs += [_Config(f"self-spec h={h}", d, heads=h) for h in heads if h > 1]
+            configs += [row(f"self-spec h={h}", d, heads=h) for h in heads if h > 1]
         elif d == "tree":
-            configs += [_Config(f"tree h={h} [{','.join(map(str, tree.pruned(h - 1).widths()))}]",
-                                d, heads=h, tree=tree) for h in heads if h > 1]
+            configs += [row(f"tree h={h} [{','.join(map(str, tree.pruned(h - 1).widths()))}]",
+                            d, heads=h, tree=tree) for h in heads if h > 1]
         elif d == "draft":
-            configs.append(_Config(f"draft gamma={args.gamma}", d, gamma=args.gamma))
+            configs.append(row(f"draft gamma={args.gamma}", d))
         elif d == "lookup":
-            n = args.lookup or 10
-            configs.append(_Config(f"lookup n={n}", d, lookup=n, ngram=args.lookup_ngram))
+            lookup = row("lookup", d, lookup=args.lookup)
+            configs.append(replace(lookup, name=f"lookup n={lookup.request.lookup_tokens}"))
     if args.adaptive:
-        for c in list(configs[1:]):
-            configs.append(_Config(f"{c.name} adaptive", c.decoder, heads=c.heads,
-                                   tree=c.tree, gamma=c.gamma, lookup=c.lookup, ngram=c.ngram,
-                                   adaptive=True))
+        configs += [_Config(f"{c.name} adaptive", c.decoder, c.request, adaptive=True)
+                    for c in configs[1:]]
     if args.oracle and not sampled:
-        configs += [_Config(f"oracle n={h - 1} (upper bound)", "oracle", gamma=h - 1)
+        configs += [row(f"oracle n={h - 1} (upper bound)", "oracle", heads=h, gamma=h - 1)
                     for h in heads if h > 1]
     return configs
 
 
+def _with_lookup(configs: list[_Config], lookup: int) -> list[_Config]:
+    """The heads' rows again, each with prompt lookup's branch of `lookup` tokens beside its
+    drafts."""
+    return [replace(c, name=f"{c.name} + lookup {lookup}", request=replace(c.request,
+                    lookup=lookup), stats=DecodeStats(), seconds=[], outputs=[])
+            for c in configs if c.decoder in HEAD_DECODERS]
+
+
 def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """`mtp bench decode`: print the table and append it to `--csv`."""
-    tree = check_args(p, args)
-    hf_decoders = _transformers_decoders(p, args)
+    tree, problems = check_args(args)
+    hf_decoders, hf_problems = _transformers_decoders(args)
     decoders = [d.strip() for d in args.decoders.split(",") if d.strip()]
-    for d in decoders:
-        if d not in DECODERS:
-            p.error(f"--decoders: unknown decoder {d!r}; choose from {', '.join(DECODERS)}")
     if "draft" in decoders and args.draft_ckpt is None:
         print("note: no --draft-ckpt, so the draft-model baseline is skipped", file=sys.stderr)
-        decoders.remove("draft")
-    model, tokenizer, draft = load(p, args, decoders, args.heads or [])
+        decoders = [d for d in decoders if d != "draft"]
+    requests = _requests(args, decoders, tree)
+    refuse(p, problems + _flag_problems(args) + hf_problems + request_problems(requests, _flag))
+    model, tokenizer, draft, draft_tokenizer = load(p, args, draft="draft" in decoders)
     from mtp.vocab import eot_id
 
     k = model.cfg.n_future
     heads = args.heads or list(range(2, k + 1))
     texts = read_prompts(p, args.prompts, args.prompt_format, args.limit, model.cfg)
     prompts = [tokenizer.encode(t).ids for t in texts]
-    if any(not x for x in prompts):
-        p.error("--prompts holds an empty prompt")
     # Keep room for the new tokens in the context window: longer prompts keep their last tokens
     # (the continuation depends on the end of the prompt most).
     room = max(model.cfg.max_seq_len - args.max_new_tokens, model.cfg.max_seq_len // 2)
@@ -299,49 +329,53 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
               f"(context window {model.cfg.max_seq_len}, {args.max_new_tokens} new tokens)",
               file=sys.stderr)
     prompts = [x[-room:] for x in prompts]
+    configs = _configs(args, decoders, heads, tree)
+    # Every row's request, checked with the model (the reference's with the prompts) before
+    # anything runs.
+    twins = _with_lookup(configs, args.lookup) if args.lookup else []
+    rows = requests + [c.request for c in configs + twins]
+    refuse(p, request_problems(rows, _flag, model=model, draft_model=draft, tokenizer=tokenizer,
+                               draft_tokenizer=draft_tokenizer, measuring=True)
+           + request_problems(requests[:1], _flag, prompts=prompts))
     common = dict(eot_id=eot_id(tokenizer, model.cfg), stop=args.stop,
-                  decode=text_decoder(tokenizer), temperature=args.temperature, top_k=args.top_k,
-                  top_p=args.top_p)
+                  decode=text_decoder(tokenizer))
     sampled = bool(args.temperature)
-    hf = None
+    hf = lookup = None
     if hf_decoders:
         from mtp.hf import ExportError
 
-        lookup = {"prompt_lookup_num_tokens": args.prompt_lookup_tokens,
-                  "max_matching_ngram_size": args.prompt_lookup_ngram}
+        # transformers' prompt lookup takes mtp's lookup settings.
+        lookup = decode_request(args, decoder="lookup")
         try:
             hf = _Transformers(model, tokenizer, common["eot_id"], args.stop, common["decode"],
-                               lookup)
+                               {"prompt_lookup_num_tokens": lookup.lookup_tokens,
+                                "max_matching_ngram_size": lookup.lookup_ngram})
         except ExportError as e:
             p.error(f"--transformers: head 1 of --ckpt {args.ckpt} is not a Llama model ({e})")
-    configs = _configs(args, decoders, heads, tree)
     if "tree" in decoders and args.auto_tree > 0 and k > 1:
-        calib = [generate(model, [x], args.max_new_tokens, **{**common, "temperature": None})
-                 [0][0] for x in prompts[: args.calib_prompts]]
+        calib = [generate(model, [x], args.max_new_tokens, **common)[0][0]
+                 for x in prompts[: args.calib_prompts]]
         acc = head_accuracy(model, [x + c for x, c in zip(prompts, calib, strict=False)],
                             start=[len(x) for x in prompts[: len(calib)]], max_rank=8)
         auto = Tree.from_accuracies(acc, args.auto_tree)
         print("head accuracies (rows: heads 2..K, columns: ranks 0..7): "
               + "; ".join(" ".join(f"{a:.2f}" for a in row) for row in acc.tolist()))
         print(f"auto tree: {auto}")
-        configs.append(_Config(f"tree auto({args.auto_tree}) h={k}", "tree", heads=k,
-                               tree=auto))
+        configs.append(_Config(f"tree auto({args.auto_tree}) h={k}", "tree", decode_request(
+            args, decoder="tree", heads=k, tree=auto, lookup=0)))
     if args.lookup:
-        # The heads' decoders again, each with prompt lookup's branch beside its drafts.
-        configs += [replace(c, name=f"{c.name} + lookup {args.lookup}", lookup=args.lookup,
-                            ngram=args.lookup_ngram, stats=DecodeStats(), seconds=[],
-                            outputs=[]) for c in configs if c.decoder in ("self-spec", "tree")]
-    configs += [_Config(f"transformers {d}", d, library="transformers") for d in hf_decoders]
+        configs += _with_lookup(configs, args.lookup)
+    configs += [_Config(f"transformers {d}", d) for d in hf_decoders]
 
     batches = [prompts[i : i + args.batch_size] for i in range(0, len(prompts), args.batch_size)]
     batch_size = max(map(len, batches), default=0)  # as run: fewer prompts make a smaller one
     gen = torch.Generator(device=args.device)
 
     def run(c: _Config, batch: list[list[int]], reference, seed: int):
-        if c.library == "transformers":
+        if c.request is None:
             return hf(c.decoder, batch[0], args.max_new_tokens)
         gen.manual_seed(seed)
-        return generate(model, batch, args.max_new_tokens, **c.kwargs(draft, reference),
+        return generate(model, batch, c.request.max_new_tokens, **c.kwargs(draft, reference),
                         generator=gen, **common)
 
     for batch in batches[: args.warmup]:
@@ -393,8 +427,8 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
         meta["transformers"] = transformers.__version__
         if "prompt-lookup" in hf_decoders:
-            meta["prompt_lookup_tokens"] = args.prompt_lookup_tokens
-            meta["prompt_lookup_ngram"] = args.prompt_lookup_ngram
+            meta["prompt_lookup_tokens"] = lookup.lookup_tokens
+            meta["prompt_lookup_ngram"] = lookup.lookup_ngram
     cols = ["decoder", "L", "acceptance", "ms_per_token", "speedup", "speedup_over_L",
             "round_ms", "ms_per_accepted", "bare_ms", "round_over_bare",
             *[f"{ph}_pct" for ph in PHASES], "drafts_chosen", "equal_to_greedy"]
@@ -444,7 +478,7 @@ def _rows(configs: list[_Config], bare_ms: dict[tuple[int, int], float], n_promp
                                 else "n/a (sampling)"),
             **{f"acc_{i + 1}": round(a, 4) for i, a in enumerate(s.acceptance)},
         })
-        if c.library == "transformers":
+        if c.request is None:  # transformers
             rows[-1].update(dict.fromkeys(
                 ["acceptance", "round_ms", "ms_per_accepted", "bare_ms", "round_over_bare",
                  *[f"{ph}_pct" for ph in PHASES], "drafts_chosen"]))

@@ -1,15 +1,19 @@
 """Drafters: what proposes a round's tokens to the loop of `mtp.decoding.engine`.
 
 A drafter has four hooks: `start` (after the prefill), `propose` (a round's tokens, n drafts per
-row), `commit` (after acceptance: run on the committed tokens) and `keep` (rows leave the batch).
+row), `advance` (after acceptance: move past the committed tokens, ready to propose the next
+round) and `keep` (rows leave the batch).
 
 - `Drafter` proposes nothing: plain greedy or sampling, one token per forward.
-- `HeadChain`: heads 2..h draft a chain (blockwise parallel decoding, Stern et al. 2018).
-- `HeadTree`: the top-k of heads 2..h form a candidate tree (Medusa), with prompt lookup's
-  continuation as one more branch where asked (`mtp.decoding.lookup`).
+- `ParallelHeads`: heads 2..h, each reading the trunk output, draft a chain (blockwise parallel
+  decoding, Stern et al. 2018).
+- `ParallelHeadsTree`: the top-k of those heads form a candidate tree (Medusa), with prompt
+  lookup's continuation as one more branch where asked (`mtp.decoding.lookup`).
 - `DraftModel`: a separate small model drafts a chain (Leviathan et al. 2023).
 - `Oracle`: drafts the tokens greedy will emit; an upper bound that measures the loop's cost
   independently of how good the heads are.
+
+Chained heads, each reading the one before, draft with `mtp.decoding.chained.ChainedHeads`.
 
 Heads 2..h run only on the tokens a round committed, after acceptance: their caches then only
 ever hold the committed sequence, and a tree forward does not pay the draft heads for its
@@ -33,12 +37,12 @@ from mtp.decoding.engine import (
     new_cache,
     prefill,
 )
-from mtp.decoding.heads import draft_heads
 from mtp.decoding.sampling import multinomial
+from mtp.decoding.stacked import stacked_heads
 from mtp.decoding.tree import Tree, TreeTensors
 from mtp.model import MTPTransformer
 
-__all__ = ["DraftModel", "Drafter", "HeadChain", "HeadTree", "Oracle"]
+__all__ = ["DraftModel", "Drafter", "Oracle", "ParallelHeads", "ParallelHeadsTree"]
 
 
 class Drafter:
@@ -63,22 +67,24 @@ class Drafter:
         """The round's tokens: the pending token (B,) and n drafts per row."""
         return Proposal(pending[:, None], 0)
 
-    def commit(self, ctx: Context, v: Verified) -> None:
-        """After acceptance, before the cache lengths advance past the committed tokens."""
+    def advance(self, ctx: Context, v: Verified) -> None:
+        """After acceptance, before the cache lengths advance past the committed tokens: take
+        in the round's committed tokens (and draft the next round's tokens from them)."""
 
     def keep(self, idx: torch.Tensor) -> None:
         """Rows `idx` go on; the others left the batch."""
 
 
-class HeadChain(Drafter):
-    """Heads 2..h draft h - 1 tokens from the last committed position."""
+class ParallelHeads(Drafter):
+    """Heads 2..h, each reading the trunk output, draft h - 1 tokens from the last committed
+    position."""
 
     def __init__(self, model: MTPTransformer, heads: int) -> None:
-        self.heads = draft_heads(model, heads)
+        self.stacked = stacked_heads(model, heads)
         self.max_drafts = heads - 1
         self.drafts = self.q = None
         # Trunk outputs (B, 1, d) and rotary tables of tokens committed by rounds that drafted
-        # nothing, not yet run through the draft heads (see `commit`).
+        # nothing, not yet run through the draft heads (see `advance`).
         self.backlog: list[Trunk] = []
 
     def _run(self, ctx: Context, trunk: Trunk, nodes: torch.Tensor | int,
@@ -102,9 +108,9 @@ class HeadChain(Drafter):
             idx = nodes[:, None, :, None].expand(-1, 1, -1, cos.shape[-1])
             cos, sin = cos.gather(2, idx), sin.gather(2, idx)  # (B, 1, t, hd/2) each
         slots = cache.lengths[:, None] + torch.arange(t, device=h.device)
-        out = self.heads(h, (cos, sin), cache, slots, chain_mask(cache.lengths, t))
+        out = self.stacked(h, (cos, sin), cache, slots, chain_mask(cache.lengths, t))
         hidden = out[:, torch.arange(len(last), device=h.device), last]  # (h-1, B, d)
-        logits = self.heads.logits(hidden.transpose(0, 1))  # (B, h-1, V)
+        logits = self.stacked.logits(hidden.transpose(0, 1))  # (B, h-1, V)
         self._draft(ctx, logits)
         ctx.timer.lap("draft")
 
@@ -147,7 +153,7 @@ class HeadChain(Drafter):
         ctx.timer.lap("draft")
         return Proposal(tokens, n, q=None if self.q is None else self.q[:, :n])
 
-    def commit(self, ctx, v) -> None:
+    def advance(self, ctx, v) -> None:
         if v.proposal.n == 0:
             # A round that drafted nothing committed one token per row. Heads 2..h wait until a
             # round wants drafts: where speculation does not pay (`policy.Adaptive`), they stop
@@ -167,7 +173,7 @@ class HeadChain(Drafter):
         self.backlog = [(h[idx], (cos[idx], sin[idx])) for h, (cos, sin) in self.backlog]
 
 
-class HeadTree(HeadChain):
+class ParallelHeadsTree(ParallelHeads):
     """The top-k candidates of heads 2..h form a tree, verified in one forward with a tree mask
     (each node sees its ancestors) and positions lengths + depth; the cache keeps the accepted
     path only.
@@ -263,7 +269,7 @@ class DraftModel(Drafter):
         ctx.timer.lap("draft")
         return Proposal(tokens, n, q=torch.stack(qs, 1) if qs else None)
 
-    def commit(self, ctx, v) -> None:
+    def advance(self, ctx, v) -> None:
         if v.proposal.n == 0:
             self.unfed = torch.cat([self.unfed, v.proposal.tokens], dim=1)
             return

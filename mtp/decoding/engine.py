@@ -1,4 +1,4 @@
-"""The decode loop, written once: prefill, then rounds of propose, verify, accept, commit.
+"""The decode loop, written once: prefill, then rounds of propose, verify, accept, advance.
 
 Every decoder is this loop with one drafter (`mtp.decoding.drafters`): plain decoding proposes
 nothing, self-speculation proposes a chain or a tree from heads 2..h, `draft` a chain from a
@@ -8,9 +8,12 @@ separate model, `oracle` the tokens greedy will emit. A round:
    and which of them each one sees (a causal chain or a tree's ancestors);
 2. verify: one cached forward of the trunk and head 1 over them;
 3. accept: the exact rule for a chain or a tree (`mtp.decoding.acceptance`);
-4. commit: a tree's accepted path moves to contiguous cache slots, the drafter runs on the
-   committed tokens (heads 2..h draft the next round from there), the cache lengths advance,
-   the stopper takes each row's new tokens, and finished rows leave the batch.
+4. advance: the drafter takes in the committed tokens (`Drafter.advance`: heads 2..h draft the
+   next round from there), the cache lengths move past them, the stopper takes each row's new
+   tokens (`_emit`), and finished rows leave the batch.
+
+A token is *committed* once acceptance keeps it: it belongs to the output, and its keys and
+values stay in the cache (a tree's accepted path is moved to contiguous slots by `_accept`).
 
 Batches. Rows keep their own positions: prompts of different lengths are right-padded for the
 prefill only (the padding lands in cache slots past each row's length, which no mask ever opens),
@@ -21,10 +24,10 @@ of tokens per round. Finished rows leave the batch, so the batch only pays for l
 Invariant between rounds: the cache holds every committed token but the last one, `pending`,
 which is the first input of the next forward (so a forward never recomputes a token).
 
-NOTE: the loop is not compiled. On the 2-core development CPU, `torch.compile` (inductor, weights
-frozen) of the verify forward of the default model took 28 s per shape and ran a 1-token forward
-in 4.7 ms against 5.2 ms eager, a 4-token forward in 11.5 ms against 7.9 ms: it does not pay
-there. With oracle drafts a round costs about what a bare forward over its tokens costs
+NOTE: the loop is not compiled. On a CPU, `torch.compile` (inductor, weights frozen) of the
+verify forward compiles for tens of seconds per shape, and rounds come in many shapes, while the
+compiled forward is a little faster than eager for one token and slower for several: it does
+not pay there. With oracle drafts a round costs about what a bare forward over its tokens costs
 (`mtp bench decode --oracle`), so the loop's own work is not where the time goes.
 """
 
@@ -81,7 +84,7 @@ class Proposal:
 
 @dataclass
 class Verified:
-    """What a round accepted, for the drafter to commit."""
+    """What a round accepted, for the drafter to take in (`Drafter.advance`)."""
 
     proposal: Proposal
     trunk: Trunk  # of the verify forward, at every proposed token
@@ -136,7 +139,7 @@ def forward(
     """
     slots = cache.lengths[:, None] + torch.arange(tokens.shape[1], device=tokens.device)
     h, rope = model.trunk(tokens, positions=positions, cache=cache, slots=slots, mask=mask)
-    return model.head_hidden(0, h, rope, cache=cache, slots=slots, mask=mask), (h, rope)
+    return model.norm(model.head_output(0, h, rope, cache=cache, slots=slots, mask=mask)), (h, rope)
 
 
 def prefill(model: MTPTransformer, cache: KVCache,
@@ -210,7 +213,7 @@ def _accept(ctx: Context, prop: Proposal, logits: torch.Tensor, trunk: Trunk) ->
     return Verified(prop, trunk, path, a, nxt, emitted)
 
 
-def _commit(ctx: Context, emitted: list[list[int]], drafted: list[int]) -> torch.Tensor | None:
+def _emit(ctx: Context, emitted: list[list[int]], drafted: list[int]) -> torch.Tensor | None:
     """Hand each row's new tokens to the stopper and count the round; returns the batch indices
     of the rows that go on if some finished (else None)."""
     alive, kept = [], []
@@ -237,7 +240,7 @@ def run(ctx: Context, prompts: list[list[int]], drafter, policy) -> None:
     pending = ctx.sampling.choose(ctx.model.unembed(hidden), ctx.generator)  # (B,)
     ctx.timer.lap("accept")
     drafter.start(ctx, prompts, trunk, pending)
-    keep = _commit(ctx, [[t] for t in pending.tolist()], [0] * len(prompts))
+    keep = _emit(ctx, [[t] for t in pending.tolist()], [0] * len(prompts))
     ctx.stats.prefills += len(prompts)
     while ctx.rows:
         start = ctx.timer.lap()
@@ -249,12 +252,13 @@ def run(ctx: Context, prompts: list[list[int]], drafter, policy) -> None:
         prop = drafter.propose(ctx, pending, n)
         logits, trunk = _verify(ctx, prop)
         v = _accept(ctx, prop, logits, trunk)
-        drafter.commit(ctx, v)
+        drafter.advance(ctx, v)
+        # The cache keeps the round's committed tokens: the old pending one, the accepted drafts.
         ctx.cache.truncate(ctx.cache.lengths + v.accepted + 1)
         ctx.timer.lap("cache")
         pending = v.next_token
         drafted = [len(e) - 1 for e in v.emitted]
-        keep = _commit(ctx, v.emitted, drafted)
+        keep = _emit(ctx, v.emitted, drafted)
         ctx.stats.count_drafts(prop.n, drafted)
         seconds = ctx.timer.lap() - start
         ctx.stats.round_seconds.setdefault(tuple(prop.tokens.shape), []).append(seconds)

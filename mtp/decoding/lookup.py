@@ -5,8 +5,8 @@ function's arguments. Prompt lookup (Saxena 2023; transformers' `prompt_lookup_n
 drafts the tokens that followed an earlier occurrence of the sequence's last n tokens. Here the
 latest earlier occurrence is taken (the nearest context), trying n = `ngram` down to 1.
 
-`LookupChain` drafts with it alone (decoder `lookup`). With heads, `HeadTree` verifies the
-lookup's continuation as one more branch from the root beside the heads' chain or tree
+`LookupChain` drafts with it alone (decoder `lookup`). With heads, `ParallelHeadsTree` verifies
+the lookup's continuation as one more branch from the root beside the heads' chain or tree
 (`generate(..., lookup=N)`): a round keeps whichever branch the target agrees with longer.
 """
 
@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mtp.config import LOOKUP_TOKENS
 from mtp.decoding.drafters import Drafter
 from mtp.decoding.engine import Context, Proposal
 
@@ -27,7 +28,7 @@ class Lookup:
     """Up to `tokens` drafts per round from the latest earlier match of the last `ngram`..1
     tokens of each row's prompt and output."""
 
-    tokens: int = 10
+    tokens: int = LOOKUP_TOKENS
     ngram: int = 2
     prompts: list[list[int]] = field(default_factory=list)
 

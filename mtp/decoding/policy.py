@@ -37,7 +37,7 @@ class Adaptive(Fixed):
     and now and then try another n again (after 16 rounds, then twice as long each time the best
     choice holds), so costs and acceptance stay measured when the best choice changes. n = 0 is
     plain decoding: where speculation does not pay, rounds stop drafting, and heads 2..h stop
-    running until drafts are wanted again (`HeadChain` catches them up then).
+    running until drafts are wanted again (`ParallelHeads` catches them up then).
 
     One instance passed to many `generate` calls of the same model and drafter (as
     `adaptive=policy`) keeps its costs and acceptance from call to call, so a short call does

@@ -1,4 +1,5 @@
-"""Drafting with chained heads (`--model.head_type deepseek`): the chain runs on its own drafts.
+"""Drafting with chained heads (`--model.head_type deepseek`): each head reads the one before
+it, so each draft follows the drafts before it.
 
 Head j + 1 (0-based depth j >= 1) at position q reads depth j - 1's output at q and token
 q + j. Call that pair a cell (j, q). With L committed tokens in the trunk's cache and the
@@ -33,10 +34,10 @@ from mtp.decoding.sampling import multinomial
 from mtp.decoding.tree import Tree, TreeTensors
 from mtp.model import MTPTransformer
 
-__all__ = ["ChainHeads"]
+__all__ = ["ChainedHeads"]
 
 
-class ChainHeads(Drafter):
+class ChainedHeads(Drafter):
     """Chained heads 2..heads draft a chain (tree=None) or a tree of their own continuations."""
 
     def __init__(self, model: MTPTransformer, heads: int, tree: Tree | None = None) -> None:
@@ -72,7 +73,7 @@ class ChainHeads(Drafter):
     def keep(self, idx) -> None:
         self.out, self.tokens, self.final = self.out[:, idx], self.tokens[idx], self.final[:, idx]
 
-    def commit(self, ctx: Context, v: Verified) -> None:
+    def advance(self, ctx: Context, v: Verified) -> None:
         """Record the committed tokens, the verifier's next token and head 1's output at each."""
         h, rope = v.trunk
         lengths = ctx.cache.lengths

@@ -1,0 +1,250 @@
+"""A decode request and its one validator.
+
+`DecodeRequest` holds what `generate` is asked to do besides the model and the prompts: the
+decoder and its settings. `DecodeRequest.problems` lists everything wrong with it given what is
+known: before a model loads, the settings alone; then the model, the draft model and their
+tokenizers; in `generate`, the prompts too. `check` raises them together as one `RequestError`.
+
+Each problem names the field it is about, and its message calls fields by a name the caller
+chooses: `generate` says `top_k must be >= 1 (got 0)`, and `mtp generate`, which maps each field
+to its flag (`mtp.decode_cli.flag`), says `--top-k must be >= 1 (got 0)` for the same rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from mtp.config import DECODERS, LOOKUP_TOKENS, UserError
+from mtp.decoding.tree import Tree
+from mtp.model import MTPTransformer
+
+__all__ = ["HEAD_DECODERS", "MEASURING", "DecodeRequest", "Problem", "RequestError", "prose"]
+
+#: Decoders `generate` takes that are not for use: `oracle` drafts a given reference (the tokens
+#: greedy will emit), an upper bound that measures the loop's own cost.
+MEASURING = ("oracle",)
+
+#: Decoders whose drafts come from heads 2..h.
+HEAD_DECODERS = ("self-spec", "tree")
+
+#: What `generate`'s messages call the fields that are not its arguments.
+_PROSE = {"model": "the model", "prompts": "a prompt"}
+
+
+def prose(name: str) -> str:
+    """A field as `generate`'s messages call it: its argument's name, or words for the model and
+    the prompts."""
+    return _PROSE.get(name, name)
+
+
+class _Names(dict):
+    """Values by key; any other key is a field, called `names(field)`."""
+
+    def __init__(self, names: Callable[[str], str], values: dict) -> None:
+        super().__init__(values)
+        self.names = names
+
+    def __missing__(self, key: str) -> str:
+        return self.names(key)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a request: the field it is about, and a message in which `{field}`
+    stands for a field's name and the other placeholders for the `values` it quotes."""
+
+    field: str
+    template: str
+    values: dict
+
+    def message(self, names: Callable[[str], str] = prose) -> str:
+        return self.template.format_map(_Names(names, self.values))
+
+
+class RequestError(ValueError, UserError):
+    """Everything wrong with a decode request: `problems`, each naming its field."""
+
+    def __init__(self, problems: Sequence[Problem]) -> None:
+        self.problems = list(problems)
+        super().__init__("; ".join(self.messages()))
+
+    @property
+    def fields(self) -> list[str]:
+        return [p.field for p in self.problems]
+
+    def messages(self, names: Callable[[str], str] = prose) -> list[str]:
+        """Each problem in words, each field called `names(field)` (default: as `generate`
+        calls it); a message that two problems share, once."""
+        return list(dict.fromkeys(p.message(names) for p in self.problems))
+
+
+@dataclass(frozen=True)
+class DecodeRequest:
+    """A decode request: the decoder and its settings (`generate`'s arguments of those names)."""
+
+    max_new_tokens: int = 128
+    """The most new tokens per row."""
+    decoder: str = "greedy"
+    """`greedy`, `sample`, `self-spec`, `tree`, `draft` or `lookup` (`mtp.config.DECODERS`)."""
+    temperature: float | None = None
+    """0 or None is greedy for every decoder but `sample`, for which None means 1."""
+    top_k: int | None = None
+    """Sampling keeps the k most likely tokens."""
+    top_p: float | None = None
+    """Sampling keeps the nucleus of mass top_p."""
+    heads: int | None = None
+    """Heads used by `self-spec` and `tree`, 1..K (None: all K)."""
+    tree: Tree | None = None
+    """The candidate tree of `tree` (None: `generate`'s default)."""
+    gamma: int = 4
+    """Tokens the draft model (or the oracle) proposes per round."""
+    lookup: int = 0
+    """Prompt lookup's most tokens per round: a branch beside the heads' drafts, or with decoder
+    `lookup` its drafts (0: `LOOKUP_TOKENS`)."""
+    lookup_ngram: int = 2
+    """Prompt lookup matches the last lookup_ngram..1 tokens."""
+
+    @property
+    def temperature_used(self) -> float:
+        """The temperature decoding runs at: `temperature`, else 1 for `sample` and 0 for the
+        others."""
+        if self.temperature is None:
+            return 1.0 if self.decoder == "sample" else 0.0
+        return self.temperature
+
+    @property
+    def lookup_tokens(self) -> int:
+        """Prompt lookup's most drafts per round (0: no lookup)."""
+        return self.lookup or (LOOKUP_TOKENS if self.decoder == "lookup" else 0)
+
+    def arguments(self) -> dict:
+        """The request as `generate`'s keyword arguments (`max_new_tokens` goes first, by
+        position)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name != "max_new_tokens"}
+
+    def window(self, model: MTPTransformer, draft_model: MTPTransformer | None = None) -> int:
+        """Positions a sequence may fill: the context window of the model (and of the draft
+        model, for `draft`)."""
+        window = model.cfg.max_seq_len
+        if self.decoder == "draft" and draft_model is not None:
+            window = min(window, draft_model.cfg.max_seq_len)
+        return window
+
+    def problems(
+        self,
+        model: MTPTransformer | None = None,
+        draft_model: MTPTransformer | None = None,
+        *,
+        prompts: Sequence[Sequence[int]] | None = None,
+        reference: Sequence[Sequence[int]] | None = None,
+        stop: Sequence = (),
+        decode: Callable | None = None,
+        tokenizer=None,
+        draft_tokenizer=None,
+        measuring: bool = False,
+    ) -> list[Problem]:
+        """Everything wrong with the request, given what is known: the settings alone; with
+        `model`, what the model (and the draft model, and their tokenizers where given) allows;
+        with `prompts`, the prompts (and `reference`, `stop` and `decode`, as `generate` takes
+        them). `measuring` admits the decoders of `MEASURING`."""
+        found: list[Problem] = []
+
+        def bad(name: str, template: str, **values) -> None:
+            found.append(Problem(name, template, values))
+
+        # The settings
+        d, t = self.decoder, self.temperature_used
+        if d not in DECODERS + (MEASURING if measuring else ()):
+            bad("decoder", "{decoder}: unknown decoder {got!r}; choose one of {choices}", got=d,
+                choices=", ".join(DECODERS))
+        if self.max_new_tokens < 1:
+            bad("max_new_tokens", "{max_new_tokens} must be >= 1 (got {got})",
+                got=self.max_new_tokens)
+        if not (math.isfinite(t) and t >= 0):
+            bad("temperature", "{temperature} must be finite and >= 0 (got {got})", got=t)
+        elif d == "greedy" and t > 0:
+            bad("temperature", "{temperature} > 0 samples: use {decoder} sample (or a speculative "
+                "decoder, which then samples exactly)")
+        elif d == "sample" and t == 0:
+            bad("decoder", "{decoder} sample needs {temperature} > 0 (0 is {decoder} greedy)")
+        elif d == "oracle" and t > 0:
+            bad("temperature", "{decoder} oracle drafts greedy's tokens: it takes no "
+                "{temperature}")
+        if self.top_k is not None and self.top_k < 1:
+            bad("top_k", "{top_k} must be >= 1 (got {got})", got=self.top_k)
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            bad("top_p", "{top_p} must be in (0, 1] (got {got})", got=self.top_p)
+        if self.gamma < 1:
+            bad("gamma", "{gamma} must be >= 1 (got {got})", got=self.gamma)
+        if self.lookup < 0:
+            bad("lookup", "{lookup} must be >= 0 (got {got})", got=self.lookup)
+        elif self.lookup and d not in (*HEAD_DECODERS, "lookup"):
+            bad("lookup", "{lookup} drafts beside {decoder} self-spec and tree or alone "
+                "({decoder} lookup), not with {got!r}", got=d)
+        if self.lookup_ngram < 1:
+            bad("lookup_ngram", "{lookup_ngram} must be >= 1 (got {got})", got=self.lookup_ngram)
+        if (self.lookup > 0 or d == "lookup") and t > 0:
+            bad("lookup", "prompt lookup is verified greedily: it takes no {temperature}")
+
+        # What the model (and the draft model) allows
+        if model is not None:
+            cfg = model.cfg
+            k = cfg.n_future
+            if d in HEAD_DECODERS and k == 1:
+                bad("decoder", "{decoder} {got} drafts with heads 2..K, but {model} has a single "
+                    "head (--model.n_future 1); use greedy, sample, draft or lookup", got=d)
+            elif self.heads is not None and not 1 <= self.heads <= k:
+                bad("heads", "{heads} must lie in [1, {k}]: {model} has {k} heads (got {got})",
+                    k=k, got=self.heads)
+            if self.lookup > 0 and d in HEAD_DECODERS and model.chained:
+                bad("lookup", "{lookup} beside chained heads (--model.head_type {head_type}) is "
+                    "not supported; use parallel heads or {decoder} lookup",
+                    head_type=cfg.head_type)
+            if d == "tree" and self.tree is not None and self.tree.depth:
+                widest = max(self.tree.widths())
+                ranked = cfg.draft_vocab or cfg.vocab_size  # the tokens heads 2..K rank
+                if widest > ranked:
+                    bad("tree", "{tree} {got}: a level of {w} candidates is wider than the "
+                        "vocabulary ({v} tokens)", got=",".join(map(str, self.tree.widths())),
+                        w=widest, v=ranked)
+            if d == "draft" and draft_model is None:
+                bad("draft_model", "{decoder} draft needs {draft_model} (a small model with the "
+                    "same tokenizer, to draft with)")
+            elif d == "draft" and tokenizer is not None and draft_tokenizer is not None and \
+                    draft_tokenizer.to_str() != tokenizer.to_str():
+                bad("draft_model", "{draft_model} has a different tokenizer from {model}")
+            elif d == "draft" and draft_model.cfg.vocab_size != cfg.vocab_size:
+                bad("draft_model", "{draft_model} has a vocabulary of {dv} tokens, {model} of "
+                    "{v}: they must be the same", dv=draft_model.cfg.vocab_size,
+                    v=cfg.vocab_size)
+
+        # The prompts and what goes with them
+        if prompts is not None:
+            if not prompts:
+                bad("prompts", "there is no prompt to continue")
+            elif any(len(p) == 0 for p in prompts):
+                bad("prompts", "{prompts} is empty")
+            elif model is not None:
+                longest, window = max(map(len, prompts)), self.window(model, draft_model)
+                if longest >= window:
+                    bad("prompts", "{prompts} has {n} tokens but the context window "
+                        "(--model.max_seq_len) is {w}: no room for new tokens", n=longest,
+                        w=window)
+            if d == "oracle" and (reference is None or len(reference) != len(prompts)):
+                bad("reference", "{decoder} oracle needs {reference}: a continuation for every "
+                    "prompt")
+            if stop and decode is None:
+                bad("decode", "{stop} needs {decode}: a function from token ids to text")
+        return found
+
+    def check(self, model: MTPTransformer | None = None,
+              draft_model: MTPTransformer | None = None, **known) -> None:
+        """Raise a `RequestError` with every problem of `problems(model, draft_model,
+        **known)`, if any."""
+        problems = self.problems(model, draft_model, **known)
+        if problems:
+            raise RequestError(problems)
