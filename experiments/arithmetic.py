@@ -28,14 +28,10 @@ if __package__ in (None, ""):  # run as a script, `python experiments/<study>.py
 
 from experiments.common import (  # noqa: E402 (a script puts the repository on the path first)
     ResultsCSV,
-    above_floor,
     column,
     command_line,
-    compare,
-    criterion,
     curve_plot,
     errorbar_plot,
-    finding,
     group,
     head1_depth,
     load_preset,
@@ -51,6 +47,7 @@ from experiments.common import (  # noqa: E402 (a script puts the repository on 
     summarize,
     to_float,
 )
+from experiments.stats import Family, finding, why_untestable  # noqa: E402
 from mtp.config import InputError  # noqa: E402
 
 COLUMNS = ["d_model", "K", "seed", "params", "head1_depth", "steps", "acc_in", "acc_out",
@@ -240,33 +237,57 @@ def report(out: Path, preset: dict, command: str) -> str:
     return text
 
 
+SPLITS = (("in", "in distribution"), ("out", "out of distribution"))
+
+
 def findings(by: dict, sizes: list[int], ks: list[int], floor: dict[str, float]) -> list[str]:
-    """Each group against the floor, then each K against K = 1 per size and split, computed. A
-    comparison is testable where at least one of its two groups rose above the floor (the task
-    is learnable at that size and training budget)."""
-    multi = [k for k in ks if k > 1]
-    m = 2 * len(multi) * len(sizes)
-    n = min(len(rs) for rs in by.values())
-    out = [criterion(m, n), ""]
+    """Each group against the floor of each split, each K = 1 baseline against a perfect score,
+    then each K against K = 1 per size and split: every test joins one family, Holm's
+    correction decides them together, then they render. A comparison tests the paper's finding
+    only where its K = 1 baseline rose above the floor and stayed below a perfect score on the
+    same split."""
+    fam = Family()
+    above, below, tests = {}, {}, {}
     for d in sizes:
         base = by.get((str(d), "1"), [])
-        if not base:
+        for split, _ in SPLITS:
+            for k in ks:
+                if by.get((str(d), str(k))):
+                    above[d, k, split] = fam.floor(column(by[(str(d), str(k))], f"acc_{split}"),
+                                                   floor[split], "the majority-answer floor")
+            if base:
+                below[d, split] = fam.ceiling(column(base, f"acc_{split}"), 1.0,
+                                              "a perfect score")
+                for k in ks:
+                    if k > 1 and by.get((str(d), str(k))):
+                        tests[d, k, split] = fam.compare(
+                            column(by[(str(d), str(k))], f"acc_{split}"),
+                            column(base, f"acc_{split}"))
+    fam.decide()
+
+    out = [fam.criterion(), ""]
+    for d in sizes:
+        if not by.get((str(d), "1")):
             out.append(f"- d = {d}: no K = 1 baseline, nothing to compare against.")
             continue
-        learned = {}
         present = [k for k in ks if by.get((str(d), str(k)))]
-        for k in present:
-            stat, learned[k] = above_floor(column(by[(str(d), str(k))], "acc_in"), floor["in"])
-            what = "the K = 1 baseline" if k == 1 else f"K = {k}"
-            out.append(f"- d = {d}, {what} in distribution: {stat}.")
+        for split, where in SPLITS:
+            for k in present:
+                what = "the K = 1 baseline" if k == 1 else f"K = {k}"
+                test = above[d, k, split]
+                out.append(f"- d = {d}, {what} {where}: {test.stat()}: **{test.verdict()}**.")
+            out.append(f"- d = {d}, the K = 1 baseline {where} against a perfect score (room "
+                       f"to improve): {below[d, split].stat()}: "
+                       f"**{below[d, split].verdict()}**.")
         for k in (k for k in present if k > 1):
-            rs = by[(str(d), str(k))]
-            for split, where in (("in", "in distribution"), ("out", "out of distribution")):
-                stat, verdict = compare(column(rs, f"acc_{split}"), column(base, f"acc_{split}"),
-                                        m)
-                status = finding(verdict, "higher", learned[1] or learned[k])
-                out.append(f"- d = {d}, K = {k} vs K = 1, {where}: {stat}: {verdict}. Paper: "
-                           f"K > 1 is more accurate: **{status}**.")
+            for split, where in SPLITS:
+                test = tests[d, k, split]
+                why = why_untestable(f"the K = 1 baseline {where}", above[d, 1, split],
+                                     below[d, split])
+                verdict = "" if why else f": {test.verdict()}"
+                out.append(f"- d = {d}, K = {k} vs K = 1, {where}: {test.stat()}{verdict}. "
+                           "Paper: K > 1 is more accurate: "
+                           f"**{finding(test.verdict(), 'higher', why)}**.")
     return out
 
 

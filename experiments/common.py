@@ -1,4 +1,4 @@
-"""Shared plumbing of the studies: presets, resumable CSV results, statistics, plots, reports.
+"""Shared plumbing of the studies: presets, resumable CSV results, summaries, plots, reports.
 
 Every study appends one CSV row per finished run, keyed by the run's coordinates (for example
 K and seed), so a rerun of the same command skips what is done and continues where an
@@ -85,6 +85,18 @@ def load_preset(study: str, name_or_path: str) -> dict:
     return preset
 
 
+def fit_sections(preset: dict) -> dict:
+    """The `model`, `data` and `trainer` settings of a K-sweep preset's runs: those of its base
+    `mtp fit` config, overridden key by key by the preset's `fit`."""
+    import yaml
+
+    with open(REPO / preset["fit_config"]) as f:
+        base = yaml.safe_load(f)
+    over = preset.get("fit", {})
+    return {sec: {**base.get(sec, {}), **over.get(sec, {})} for sec in ("model", "data",
+                                                                      "trainer")}
+
+
 def parse_int_list(text: str | Sequence[int]) -> list[int]:
     """`"1,2,4"` -> [1, 2, 4]; lists pass through."""
     if isinstance(text, str):
@@ -159,7 +171,7 @@ def to_float(v: object) -> float:
         return float("nan")
 
 
-# -- statistics --------------------------------------------------------------------------------
+# -- summaries (the tests and their verdicts: experiments/stats.py) ---------------------
 
 def summarize(values: Iterable[float]) -> dict[str, float]:
     """Mean, sample standard deviation and count of the finite values."""
@@ -170,121 +182,6 @@ def summarize(values: Iterable[float]) -> dict[str, float]:
     mean = sum(xs) / n
     std = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1)) if n > 1 else float("nan")
     return {"mean": mean, "std": std, "n": n}
-
-
-def permutation_p(a: Sequence[float], b: Sequence[float]) -> float:
-    """Exact two-sided permutation test of mean(a) - mean(b): the share of the ways to split the
-    pooled values into groups of len(a) and len(b) whose difference of means is at least as
-    large in size as the observed one. No assumption about the distribution; with n values per
-    group the smallest possible p is 2 / C(2n, n) (0.1 for n = 3, 0.008 for n = 5)."""
-    import itertools
-
-    a, b = [v for v in a if not math.isnan(v)], [v for v in b if not math.isnan(v)]
-    if not a or not b:
-        return float("nan")
-    pooled, n = a + b, len(a)
-    observed = abs(sum(a) / n - sum(b) / len(b))
-    hits = total = 0
-    for idx in itertools.combinations(range(len(pooled)), n):
-        chosen = set(idx)
-        x = [pooled[i] for i in idx]
-        y = [pooled[i] for i in range(len(pooled)) if i not in chosen]
-        hits += abs(sum(x) / n - sum(y) / len(y)) >= observed - 1e-12
-        total += 1
-    return hits / total
-
-
-def bootstrap_ci(a: Sequence[float], b: Sequence[float], *, level: float = 0.95,
-                 reps: int = 10000, seed: int = 0) -> tuple[float, float]:
-    """Percentile bootstrap interval of mean(a) - mean(b) at confidence `level`, each group
-    resampled with replacement on its own (fixed seed: a report rebuilt from its CSV prints the
-    same)."""
-    import random
-
-    a, b = [v for v in a if not math.isnan(v)], [v for v in b if not math.isnan(v)]
-    if not a or not b:
-        return float("nan"), float("nan")
-    rng = random.Random(seed)
-    diffs = sorted(sum(rng.choices(a, k=len(a))) / len(a) - sum(rng.choices(b, k=len(b))) / len(b)
-                   for _ in range(reps))
-    tail = (1 - level) / 2
-    return diffs[int(tail * reps)], diffs[max(int((1 - tail) * reps) - 1, int(tail * reps))]
-
-
-ALPHA = 0.05
-#: Groups smaller than this get no verdict: a bootstrap of fewer values says little.
-MIN_SEEDS = 5
-
-
-def compare(a: Sequence[float], b: Sequence[float], m: int = 1,
-            digits: int = 3) -> tuple[str, str]:
-    """mean(a) - mean(b) with its bootstrap interval at confidence 1 - ALPHA / m (Bonferroni
-    over m comparisons) and the exact permutation p, and a verdict: `higher` / `lower` when the
-    interval excludes 0 and the permutation test agrees (p <= ALPHA), `not distinguishable`
-    otherwise, and `too few seeds` when a group has fewer than MIN_SEEDS values. Both tests must
-    agree because each fails somewhere the other holds: with five values a percentile bootstrap
-    of a group at a ceiling (every value 1.0) has no spread and excludes 0 for any difference,
-    while the permutation p has a floor of 2 / C(2n, n) whatever the difference."""
-    a, b = [v for v in a if not math.isnan(v)], [v for v in b if not math.isnan(v)]
-    diff = summarize(a)["mean"] - summarize(b)["mean"]
-    level = 1 - ALPHA / m
-    lo, hi = bootstrap_ci(a, b, level=level)
-    p = permutation_p(a, b)
-    if min(len(a), len(b)) < MIN_SEEDS:
-        verdict = f"too few seeds for a verdict (fewer than {MIN_SEEDS})"
-    elif (lo > 0 or hi < 0) and p <= ALPHA:
-        verdict = "higher" if diff > 0 else "lower"
-    else:
-        verdict = "not distinguishable"
-    return (f"Δ = {diff:+.{digits}f}, {100 * level:.2f}% bootstrap interval "
-            f"[{lo:+.{digits}f}, {hi:+.{digits}f}], exact permutation p = {p:.3f} "
-            f"(n = {len(a)} vs {len(b)})", verdict)
-
-
-def mean_ci(a: Sequence[float]) -> tuple[float, float, float]:
-    """The mean of a and its 95% bootstrap interval."""
-    lo, hi = bootstrap_ci(a, [0.0])
-    return summarize(a)["mean"], lo, hi
-
-
-def criterion(m: int, n: int) -> str:
-    """The sentence that states the criterion of `compare` for a report."""
-    from math import comb
-
-    floor = 2 / comb(2 * n, n) if n else float("nan")
-    return (f"Criterion of every verdict: the percentile bootstrap interval of the difference "
-            f"of means at confidence 1 − {ALPHA} / {m} = {100 * (1 - ALPHA / m):.2f}% "
-            f"(Bonferroni over the report's {m} comparisons) excludes 0, and the exact "
-            f"permutation test, which assumes nothing about the distribution, agrees at p ≤ "
-            f"{ALPHA} (with {n} seeds per group its p cannot fall below 2 / C({2 * n}, {n}) = "
-            f"{floor:.3f}; a bootstrap of a group with no spread, such as one at a ceiling, "
-            f"excludes 0 for any difference). Groups of fewer than {MIN_SEEDS} seeds get no "
-            "verdict. Per-seed values are in the tables.")
-
-
-def above_floor(values: Sequence[float], floor: float, digits: int = 3) -> tuple[str, bool]:
-    """Whether a group learned: the mean of `values` with its 95% bootstrap interval against
-    `floor` (what a model that learned nothing scores), and whether the interval lies above it."""
-    mean, lo, hi = mean_ci([v for v in values if not math.isnan(v)])
-    learned = lo > floor
-    return (f"{mean:.{digits}f}, 95% bootstrap interval [{lo:.{digits}f}, {hi:.{digits}f}] "
-            f"against a floor of {floor:.{digits}f} (n = {len(values)}): **"
-            + ("above the floor" if learned else "not above the floor") + "**"), learned
-
-
-def finding(verdict: str, predicted: str, testable: bool = True) -> str:
-    """A paper finding's status from a `compare` verdict, `predicted` being the direction the
-    paper reports (`higher` or `lower`); not `testable` where neither group rose above its
-    floor (the task is not learned at this scale and training budget)."""
-    if not testable:
-        return "not testable at this scale (neither group rose above the floor)"
-    if verdict == predicted:
-        return "reproduced"
-    if verdict in ("higher", "lower"):
-        return "contradicted"
-    if verdict == "not distinguishable":
-        return "not resolved by the criterion"
-    return "not testable: " + verdict
 
 
 def head1_depth(model) -> int:

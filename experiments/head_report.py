@@ -4,13 +4,13 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from experiments.common import (
     column,
-    compare,
-    criterion,
     errorbar_plot,
+    fit_sections,
     group,
     markdown_table,
     per_seed,
@@ -20,6 +20,7 @@ from experiments.common import (
     to_float,
     wall_minutes,
 )
+from experiments.stats import Family, judged, why_untestable
 from mtp.config import InputError
 
 
@@ -65,7 +66,8 @@ def report(out: Path, preset: dict, head_types: list[str], command: str, rows: l
             pm(summarize(column(rs, "spec_speedup_vs_k1")), 2) if k != "1" else "–",
             f"{sum(int(i) for i in ident)}/{len(ident)}" if ident else "–"])
 
-    findings = _findings(by, head_types, ks, base)
+    findings = _findings(by, head_types, ks, base,
+                         fit_sections(preset)["model"].get("vocab_size"))
     ev = preset["eval"]
     fit_min, eval_min = wall_minutes(rows)
     lines = [
@@ -111,24 +113,36 @@ def report(out: Path, preset: dict, head_types: list[str], command: str, rows: l
     return text
 
 
-def _findings(by: dict, head_types: list[str], ks: list[int], base: list[dict]) -> list[str]:
-    """Each finding with its test; m counts the comparisons the Bonferroni threshold splits."""
+def _findings(by: dict, head_types: list[str], ks: list[int], base: list[dict],
+              vocab: int | None) -> list[str]:
+    """Each finding with its test: every test joins one family first, Holm's correction
+    decides them together, then they render."""
     k_top = max(ks) if ks else 1
     parallel = [h for h in head_types if h != "deepseek"]
-    m = len(head_types) * len(ks) + (len(parallel) * (k_top - 1) if "deepseek" in head_types
-                                     else 0)
-    n = min((len(rs) for rs in by.values()), default=0)
-    out = [criterion(m, n)]
-    for h in head_types:
-        for k in ks:
-            rs = by.get((h, str(k)), [])
-            if not rs or not base:
-                continue
-            stat, verdict = compare(column(rs, "next_token_loss"),
-                                     column(base, "next_token_loss"), m)
-            out.append(f"- Next-token loss, {h} heads at K = {k} vs the K = 1 baseline: {stat}: "
-                       f"**{verdict}** (head-1 depth {rs[0]['head1_depth']} vs "
-                       f"{base[0]['head1_depth']} blocks).")
+    chained = by.get(("deepseek", str(k_top)), []) if "deepseek" in head_types else []
+    fam = Family()
+    learned = (fam.against(column(base, "next_token_loss"), math.log(vocab),
+                           "a uniform guess's loss", "less") if base and vocab else None)
+    losses = {(h, k): fam.compare(column(by[(h, str(k))], "next_token_loss"),
+                                  column(base, "next_token_loss"))
+              for h in head_types for k in ks if by.get((h, str(k))) and base}
+    acceptance = {(h, i): fam.compare(column(chained, f"accept_pos{i}"),
+                                      column(by[(h, str(k_top))], f"accept_pos{i}"))
+                  for h in parallel if chained and by.get((h, str(k_top)))
+                  for i in range(1, k_top)}
+    fam.decide()
+
+    out = [fam.criterion(), ""]
+    if learned is not None:
+        out.append(f"- Next-token loss of the K = 1 baseline against a uniform guess's loss "
+                   f"(ln {vocab}; whether it learned): {learned.stat()}: "
+                   f"**{learned.verdict()}**.")
+    why = why_untestable("the K = 1 baseline", learned)
+    for (h, k), test in losses.items():
+        rs = by[(h, str(k))]
+        out.append(f"- Next-token loss, {h} heads at K = {k} vs the K = 1 baseline: "
+                   f"{test.stat()}: **{judged(test, why)}** "
+                   f"(head-1 depth {rs[0]['head1_depth']} vs {base[0]['head1_depth']} blocks).")
     for h in head_types:
         rs = by.get((h, str(k_top)), [])
         if not rs or k_top < 3:
@@ -151,17 +165,10 @@ def _findings(by: dict, head_types: list[str], ks: list[int], base: list[dict]) 
                    "rate may rise with depth: only rounds whose earlier drafts were accepted "
                    "count); accepted at all (the product up to each draft) "
                    f"{' → '.join(f'{v:.2f}' for v in reached)}.")
-    if "deepseek" in head_types:
-        chained = by.get(("deepseek", str(k_top)), [])
-        for h in parallel:
-            rs = by.get((h, str(k_top)), [])
-            if not rs or not chained:
-                continue
-            for i in range(1, k_top):
-                stat, verdict = compare(column(chained, f"accept_pos{i}"),
-                                         column(rs, f"accept_pos{i}"), m)
-                out.append(f"- Acceptance of draft {i}, deepseek vs {h} heads (K = {k_top}): "
-                           f"{stat}: deepseek **{verdict}**.")
+    for (h, i), test in acceptance.items():
+        out.append(f"- Acceptance of draft {i}, deepseek vs {h} heads (K = {k_top}): "
+                   f"{test.stat()}: deepseek **{test.verdict()}**.")
+    if acceptance:
         out.append("  DeepSeek-V3 reports 85–90% acceptance for its first draft (one MTP "
                    "module, 671B parameters); the claim that a chain conditioned on its own "
                    "drafts is accepted more often than independent heads is what the rows "
@@ -170,14 +177,15 @@ def _findings(by: dict, head_types: list[str], ks: list[int], base: list[dict]) 
           for h in head_types if by.get((h, str(k_top)))}
     if ls:
         best = max(ls, key=ls.get)
-        out.append(f"- L at K = {k_top}: " + ", ".join(f"{h} {v:.2f}" for h, v in ls.items())
+        out.append(f"- L at K = {k_top} (means; a description, not a test): "
+                   + ", ".join(f"{h} {v:.2f}" for h, v in ls.items())
                    + f"; the highest mean is {best}'s.")
         sp = {h: summarize(column(by[(h, str(k_top))], "spec_speedup_vs_k1"))["mean"]
               for h in ls}
         own = {h: summarize(column(by[(h, str(k_top))], "spec_speedup"))["mean"] for h in ls}
         out.append("- Wall-clock speedup of self-speculation at K = "
-                   f"{k_top} (one CPU thread, batch 1), against the model's own greedy / the "
-                   "K = 1 model's greedy: "
+                   f"{k_top} (one CPU thread, batch 1; means, a description, not a test), "
+                   "against the model's own greedy / the K = 1 model's greedy: "
                    + ", ".join(f"{h} {own[h]:.2f}x / {sp[h]:.2f}x" for h in ls) + ".")
     ident = [r["spec_identical"] for h in head_types for k in ks
              for r in by.get((h, str(k)), []) if r.get("spec_identical", "") != ""]

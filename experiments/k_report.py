@@ -6,23 +6,22 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 from experiments.common import (
     column,
-    compare,
-    criterion,
     errorbar_plot,
-    finding,
+    fit_sections,
     group,
     markdown_table,
-    mean_ci,
     per_seed,
     pm,
     provenance_line,
     summarize,
     wall_minutes,
 )
+from experiments.stats import Family, finding, judged, why_untestable
 from mtp.config import BYTE_LEVEL_BASE, InputError
 
 
@@ -152,7 +151,9 @@ def report(out: Path, preset: dict, command: str, rows: list[dict], base_layers:
         "",
         "## Which findings of the paper reproduce here",
         "",
-        *verdicts(by, ks, control, byte_level),
+        *verdicts(by, ks, control, byte_level,
+                  Scale(max(int(r["params"]) for rs in by.values() for r in rs),
+                        _trained_tokens(preset), fit_sections(preset)["model"]["vocab_size"])),
         "",
         f"Runs: {len(rows)}; {fit_min:.1f} min training + {eval_min:.1f} min evaluation (one "
         "CPU thread each). Losses, accuracies and L do not depend on machine load; timings "
@@ -166,81 +167,95 @@ def report(out: Path, preset: dict, command: str, rows: list[dict], base_layers:
     return text
 
 
-def verdicts(by: dict, ks: list[int], control, byte_level: bool = False) -> list[str]:
-    """Each of the paper's findings the numbers can speak to, with its test, computed."""
+def verdicts(by: dict, ks: list[int], control, byte_level: bool, scale: Scale) -> list[str]:
+    """Each of the paper's findings the numbers can speak to, with its test: every test is
+    added to one family first, Holm's correction decides them together, then they render."""
     multi = [k for k in ks if k > 1]
-    with_control = [k for k in multi if control(k)]
     steps = list(zip(ks, ks[1:]))
-    m = (2 * len(multi) if 1 in ks else 0) + len(with_control) + len(steps)
-    n = min(len(rs) for rs in by.values())
-    out = [criterion(m, n), ""]
+    fam = Family()
+
+    def loss(rs: list[dict]) -> list[float]:
+        return column(rs, "next_token_loss")
+
+    # -- the tests: every comparison, every baseline against chance, every speedup against 1
+    learned, vs_k1, objective, depth = {}, {}, {}, {}
     if 1 in ks:
-        base = column(by[1], "next_token_loss")
+        learned[1] = fam.against(loss(by[1]), scale.chance, "a uniform guess's loss", "less")
+        for k in multi:
+            vs_k1[k] = fam.compare(loss(by[k]), loss(by[1]))
+            if control(k):
+                learned[k] = fam.against(loss(control(k)), scale.chance,
+                                         "a uniform guess's loss", "less")
+                objective[k] = fam.compare(loss(by[k]), loss(control(k)))
+                depth[k] = fam.compare(loss(control(k)), loss(by[1]))
+    lengths = {(a, b): fam.compare(column(by[b], "spec_L"), column(by[a], "spec_L"), 2)
+               for a, b in steps}
+    speedups = {}
+    for col in ("spec_speedup", "spec_speedup_vs_k1"):
+        for k in multi:
+            v = [x for x in column(by[k], col) if x == x]
+            if v:
+                speedups[col, k] = fam.against(v, 1.0, "a speedup", digits=2)
+    fam.decide()
+
+    # -- the page
+    out = [fam.criterion(), ""]
+    chance = f"a uniform guess's loss (ln {scale.vocab}; whether it learned)"
+    if 1 in ks:
+        why = {1: why_untestable("the K = 1 model", learned[1])}
+        out.append(f"- Next-token loss of the K = 1 model against {chance}: "
+                   f"{learned[1].stat()}: **{learned[1].verdict()}**.")
         # K -> (its next-token verdict against the depth-matched control where one ran, else
         # against K = 1 at equal parameters; whether it was the control)
         against = {}
         for k in multi:
-            stat, verdict = compare(column(by[k], "next_token_loss"), base, m)
-            against[k] = (verdict, False)
-            out.append(f"- Next-token loss, K = {k} vs K = 1 at equal parameters: {stat}: "
-                       f"**{verdict}**.")
-            c = control(k)
-            if c:
-                ctl = column(c, "next_token_loss")
-                stat, verdict = compare(column(by[k], "next_token_loss"), ctl, m)
-                against[k] = (verdict, True)
-                out.append(f"  - against the K = 1 control of head 1's depth "
-                           f"({by[k][0]['head1_depth']} blocks), the objective itself: {stat}: "
-                           f"**{verdict}**.")
-                stat, verdict = compare(ctl, base, m)
-                out.append(f"  - the control against the full K = 1 model, the lost depth: "
-                           f"{stat}: **{verdict}**.")
-        if byte_level:
-            status = [f"K = {k}: **{finding(verdict, 'lower')}** (against "
-                      + ("its depth-matched control)" if controlled else
-                         "K = 1 at equal parameters; no depth-matched control ran)")
-                      for k, (verdict, controlled) in against.items()]
+            against[k] = (judged(vs_k1[k], why[1]), False)
+            out.append(f"- Next-token loss, K = {k} vs K = 1 at equal parameters: "
+                       f"{vs_k1[k].stat()}: **{against[k][0]}**.")
+            if k in objective:
+                blocks = by[k][0]["head1_depth"]
+                why[k] = why_untestable(f"the K = 1 control of {blocks} blocks", learned[k])
+                against[k] = (judged(objective[k], why[k]), True)
+                out += [f"  - the K = 1 control of head 1's depth ({blocks} blocks) against "
+                        f"{chance}: {learned[k].stat()}: **{learned[k].verdict()}**.",
+                        f"  - K = {k} against the K = 1 control of head 1's depth ({blocks} "
+                        f"blocks), the objective itself: {objective[k].stat()}: "
+                        f"**{against[k][0]}**.",
+                        f"  - the control of {blocks} blocks against the full K = 1 model, the "
+                        f"lost depth: {depth[k].stat()}: **{judged(depth[k], why[1])}**."]
+
+        by_k = {k: verdict for k, (verdict, _) in against.items()}
+
+        def outcomes() -> str:
+            return "; ".join(f"K = {k}: {verdict} (against "
+                             + ("its depth-matched control)" if controlled else
+                                "K = 1 at equal parameters; no depth-matched control ran)")
+                             for k, (verdict, controlled) in against.items())
+
+        if byte_level and against:
             out.append("- Gloeckle et al.: byte-level models gain the most from multi-token "
-                       "prediction (at 7B parameters, K = 8 bytes beat K = 1 by a wide margin); "
-                       "here, lower bits per byte than the K = 1 model whose next-token path "
-                       "is as deep where that control ran (the objective alone differs): "
-                       + "; ".join(status)
-                       + " (the comparisons in nats above; bits are nats / ln 2). The paper "
-                       "also finds that below about a billion parameters multi-token "
-                       "prediction costs next-token quality, which predicts the opposite at "
-                       "this size.")
-        objective = [(k, verdict) for k, (verdict, controlled) in against.items() if controlled]
-        if objective:
-            hurt = [k for k, v in objective if v == "higher"]
-            helped = [k for k, v in objective if v == "lower"]
-            cost = ("**reproduced** for K = " + ", ".join(map(str, hurt)) if hurt else
-                    "**contradicted** for K = " + ", ".join(map(str, helped)) if helped else
-                    "**not testable at this scale**: no K differs from its depth-matched "
-                    f"control by the criterion with {n} seeds")
-            out.append("- Gloeckle et al.: at small scale multi-token prediction costs "
-                       f"next-token quality (it helps from billions of parameters on): {cost}"
-                       " (K against its depth-matched control).")
-    if len(ks) > 1:
-        for a, b in steps:
-            stat, verdict = compare(column(by[b], "spec_L"), column(by[a], "spec_L"), m, 2)
-            out.append(f"- L, K = {b} vs K = {a}: {stat}: **{verdict}**.")
+                       "prediction (K = 8 bytes beat K = 1 by a wide margin): "
+                       f"{scale.status(PAPER_BYTES, 'lower', by_k)}. What this scale shows, bits "
+                       f"per byte (nats / ln 2; the tests above are in nats): {outcomes()}. "
+                       "The paper also finds that below about a billion parameters "
+                       "multi-token prediction scores lower than next-token prediction, which "
+                       "predicts the opposite at this size.")
+        if against:
+            out.append("- Gloeckle et al.: at its smallest sizes multi-token prediction scores "
+                       "lower than next-token prediction (it helps from a few billion "
+                       f"parameters on): {scale.status(PAPER_SMALL, 'higher', by_k)}. What this "
+                       f"scale shows, next-token loss: {outcomes()}.")
+    for (a, b), test in lengths.items():
+        out.append(f"- L, K = {b} vs K = {a}: {test.stat()}: **{test.verdict()}**.")
+    if lengths:
         ls = [summarize(column(by[k], "spec_L"))["mean"] for k in ks]
         out.append("  Paper: L of about 3.5 at K = 4 on 7B models; here "
                    + ", ".join(f"{v:.2f}" for v in ls) + " for K = " + ", ".join(map(str, ks))
                    + ".")
-    for col, what in (("spec_speedup", "its own greedy"),
-                      ("spec_speedup_vs_k1", "the K = 1 model's greedy")):
-        cells = []
-        for k in multi:
-            v = [x for x in column(by[k], col) if x == x]
-            if v:
-                mean, lo, hi = mean_ci(v)
-                faster = "faster" if lo > 1 else "slower" if hi < 1 else "not distinguishable"
-                cells.append(f"K = {k}: {mean:.2f}x [{lo:.2f}, {hi:.2f}], {faster}")
-        if cells:
-            out.append(f"- Self-speculative wall-clock speedup against {what} (mean, 95% "
-                       "bootstrap interval; faster or slower where the interval excludes 1): "
-                       + "; ".join(cells) + ".")
+    for (col, k), test in speedups.items():
+        what = "its own greedy" if col == "spec_speedup" else "the K = 1 model's greedy"
+        out.append(f"- Self-speculative wall-clock speedup of K = {k} against {what}: "
+                   f"{test.stat()}: **{test.verdict('faster', 'slower')}**.")
     ident = [r["spec_identical"] for k in multi for r in by[k]
              if r.get("spec_identical", "") != ""]
     out.append(f"- Greedy self-speculative output equals plain greedy output in "
@@ -255,21 +270,27 @@ def verdicts(by: dict, ks: list[int], control, byte_level: bool = False) -> list
     return out
 
 
-def scan_report(out: Path, preset: dict, command: str, by_width: dict[int, list[dict]]) -> str:
+def scan_report(out: Path, preset: dict, command: str, by_width: dict[int, list[dict]],
+                base_layers: int) -> str:
     """Write `<out>/README.md` and `<out>/loss_vs_params.png` of a size scan (a K sweep per
-    width, each with its own page under `<out>/d<width>/`)."""
+    width, each with its own page under `<out>/d<width>/`); `base_layers` is the preset's
+    `--model.n_layers`. Runs are grouped by K and n_layers, so a depth-matched K = 1 control
+    is a group of its own and never part of the K = 1 baseline."""
     widths = [w for w, rows in by_width.items() if rows]
     if not widths:
         raise InputError(f"no results under {out}/d<width>/results.csv (run the scan without "
                          "--report-only first)")
-    groups = {w: group(by_width[w], ["K"]) for w in widths}
-    ks = sorted({int(k) for w in widths for (k,) in groups[w]})
+    base_n = str(base_layers)
+    # (K, n_layers) -> rows; older CSVs recorded no n_layers: those runs are the sweep proper
+    groups = {w: group([{**r, "n_layers": r.get("n_layers") or base_n} for r in by_width[w]],
+                       ["K", "n_layers"]) for w in widths}
+    keys = sorted({(int(k), int(n)) for w in widths for k, n in groups[w]},
+                  key=lambda kn: (kn[0], -kn[1]))
+    ks = sorted({k for k, n in keys if n == base_layers})
     multi = [k for k in ks if k > 1]
-    m = len(multi) * len(widths)
-    n = min(len(rs) for w in widths for rs in groups[w].values())
 
-    def rows_of(w: int, k: int) -> list[dict]:
-        return groups[w].get((str(k),), [])
+    def rows_of(w: int, k: int, n: int = base_layers) -> list[dict]:
+        return groups[w].get((str(k), str(n)), [])
 
     series = {}
     for k in ks:
@@ -280,25 +301,46 @@ def scan_report(out: Path, preset: dict, command: str, by_width: dict[int, list[
     errorbar_plot(out / "loss_vs_params.png", series, xlabel="parameters (matched across K)",
                   ylabel="next-token validation loss (nats)", logx=True,
                   title="Size scan: next-token loss by K")
-    table, lines_out, deltas = [], [criterion(m, n), ""], {k: [] for k in multi}
+
+    fam, learned, tests = Family(), {}, {}
+    vocab = fit_sections(preset)["model"]["vocab_size"]
     for w in widths:
-        for k in ks:
-            rs = rows_of(w, k)
+        if rows_of(w, 1):
+            learned[w] = fam.against(column(rows_of(w, 1), "next_token_loss"), math.log(vocab),
+                                     "a uniform guess's loss", "less")
+        for k in multi:
+            if rows_of(w, k) and rows_of(w, 1):
+                tests[w, k] = fam.compare(column(rows_of(w, k), "next_token_loss"),
+                                          column(rows_of(w, 1), "next_token_loss"))
+    fam.decide()
+
+    table, lines_out, deltas = [], [fam.criterion(), ""], {k: [] for k in multi}
+    for w in widths:
+        for k, n in keys:
+            rs = rows_of(w, k, n)
             if not rs:
                 continue
-            table.append([w, rs[0]["params"], rs[0]["head1_depth"], k, len(rs),
-                          pm(summarize(column(rs, "next_token_loss"))),
+            table.append([w, rs[0]["params"], rs[0]["head1_depth"],
+                          k if n == base_layers else f"{k} (depth control, n_layers {n})",
+                          len(rs), pm(summarize(column(rs, "next_token_loss"))),
                           per_seed(rs, "next_token_loss"),
                           pm(summarize(column(rs, "spec_L")), 2)])
-            if k > 1 and rows_of(w, 1):
-                stat, verdict = compare(column(rs, "next_token_loss"),
-                                        column(rows_of(w, 1), "next_token_loss"), m)
-                deltas[k].append((w, summarize(column(rs, "next_token_loss"))["mean"]
-                                  - summarize(column(rows_of(w, 1), "next_token_loss"))["mean"]))
-                lines_out.append(f"- d = {w}, next-token loss of K = {k} vs K = 1: {stat}: "
-                                 f"**{verdict}**. Paper (small models lose next-token quality "
-                                 f"to multi-token prediction): **{finding(verdict, 'higher')}**"
-                                 ".")
+        if w in learned:
+            lines_out.append(f"- d = {w}, next-token loss of K = 1 against a uniform guess's "
+                             f"loss (ln {vocab}; whether it learned): {learned[w].stat()}: "
+                             f"**{learned[w].verdict()}**.")
+        for k in multi:
+            if (w, k) not in tests:
+                continue
+            test = tests[w, k]
+            deltas[k].append((w, test.diff))
+            scale = Scale(int(rows_of(w, k)[0]["params"]), _trained_tokens(preset), vocab)
+            verdict = judged(test, why_untestable("the K = 1 model", learned.get(w)))
+            lines_out.append(f"- d = {w}, next-token loss of K = {k} vs K = 1: {test.stat()}: "
+                             f"**{verdict}**"
+                             ". Paper (at its smallest sizes multi-token prediction scores "
+                             "lower): "
+                             f"{scale.status(PAPER_SMALL, 'higher', {k: verdict})}.")
     for k, ds in deltas.items():
         if len(ds) > 1:
             shrinks = all(b < a for (_, a), (_, b) in zip(ds, ds[1:]))
@@ -339,3 +381,81 @@ def scan_report(out: Path, preset: dict, command: str, by_width: dict[int, list[
     text = "\n".join(lines)
     (out / "README.md").write_text(text)
     return text
+
+
+# -- the paper's scale -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Setting:
+    """Where a finding of the paper was measured: model parameters, training tokens (bytes for
+    a byte-level model) in `unit`, and the measure it reports."""
+
+    params: float
+    tokens: float
+    unit: str
+    measure: str
+
+
+#: Section 3.1: models of 300M to 13B parameters on at least 91B tokens of code, MBPP and
+#: HumanEval pass@k; multi-token prediction is behind at the smallest sizes.
+PAPER_SMALL = Setting(300e6, 91e9, "tokens of code", "pass@1 on MBPP and HumanEval")
+#: Section 3.3: 7B-parameter byte-level models on 314B bytes.
+PAPER_BYTES = Setting(7e9, 314e9, "bytes", "pass@1 on MBPP and HumanEval")
+#: A study is at a finding's scale where it measures what the paper measured, with at least
+#: this share of the paper's parameters and training tokens.
+COMPARABLE_SHARE = 0.1
+
+
+@dataclass(frozen=True)
+class Scale:
+    """A sweep's scale: its models' parameters, the tokens each trained on, its vocabulary, and
+    what it measures."""
+
+    params: int
+    tokens: int
+    vocab: int
+    measure: str = "next-token validation loss"
+
+    @property
+    def chance(self) -> float:
+        """The loss of a uniform guess over the vocabulary, ln V."""
+        return math.log(self.vocab)
+
+    def gap(self, paper: Setting) -> str | None:
+        """Why the sweep cannot test a finding measured at `paper`'s setting (both scales and
+        measures), or None where it measures the same at `COMPARABLE_SHARE` of its scale."""
+        if (self.measure == paper.measure and self.params >= COMPARABLE_SHARE * paper.params
+                and self.tokens >= COMPARABLE_SHARE * paper.tokens):
+            return None
+        unit = "bytes" if self.vocab == BYTE_LEVEL_BASE else "tokens"
+        return (f"here {_count(self.params)} parameters trained on {_count(self.tokens)} "
+                f"{unit}, measured by {self.measure}; the paper {_count(paper.params)} "
+                f"parameters trained on {_count(paper.tokens)} {paper.unit}, measured by "
+                f"{paper.measure}")
+
+    def status(self, paper: Setting, predicted: str, verdicts: dict[int, str]) -> str:
+        """A finding's status: `not testable at this scale` with both scales where the sweep
+        is not at the paper's, else each K's `finding` from its verdict (`predicted`: the
+        paper's direction)."""
+        gap = self.gap(paper)
+        if gap:
+            return f"**not testable at this scale** ({gap})"
+        return "; ".join(f"K = {k}: **{finding(v, predicted)}**" for k, v in verdicts.items())
+
+
+def _count(x: float) -> str:
+    """0.55M, 300M, 7B, 314B."""
+    if x >= 1e9:
+        return f"{x / 1e9:.3g}B"
+    return f"{x / 1e6:.2g}M" if x < 1e6 else f"{x / 1e6:.3g}M"
+
+
+def _trained_tokens(preset: dict) -> int:
+    """Tokens each run of the sweep trains on: steps x batch x sequence length (x gradient
+    accumulation and devices)."""
+    cfg = fit_sections(preset)
+    devices = cfg["trainer"].get("devices", 1)
+    return (int(cfg["trainer"]["max_steps"]) * int(cfg["data"]["batch_size"])
+            * int(cfg["data"]["seq_len"]) * int(cfg["trainer"].get("accumulate_grad_batches", 1))
+            * (devices if isinstance(devices, int) and devices > 1 else 1))

@@ -454,7 +454,8 @@ def main(argv: list[str] | None = None) -> int:
                                      results(out).rows(), args.note))
     if sweeps[0][0] is not None:
         print(k_report.scan_report(args.out, preset, command_line(),
-                                   {w: results(args.out / f"d{w}").rows() for w, _ in sweeps}))
+                                   {w: results(args.out / f"d{w}").rows() for w, _ in sweeps},
+                                   base_layers(preset)))
     return 0
 
 
