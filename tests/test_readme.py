@@ -1,4 +1,5 @@
-"""The README's commands: CI runs the test command, every `mtp ...` line is a valid command."""
+"""The README's and docs/'s commands: CI runs the test command, every `mtp ...` line is a valid
+command."""
 
 import csv
 import os
@@ -21,14 +22,17 @@ from mtp.config import (
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
+#: The README and the guides it links to (docs/*.md), whose commands are checked alike.
+DOCS = "\n".join([README, *(p.read_text() for p in sorted((REPO / "docs").glob("*.md")))])
 DATA = Path(os.environ.get("MTP_SHARED_DATA", REPO.parent / "shared" / "data"))
 MBPP_FILE = str(DATA / "mbpp" / "mbpp.jsonl")
 
 
 def _code_lines() -> list[str]:
-    """Command lines of the README's bash blocks, continuation lines joined, comments dropped."""
+    """Command lines of the bash blocks of the README and docs/, continuation lines joined,
+    comments dropped."""
     lines = []
-    for block in re.findall(r"```bash\n(.*?)```", README, flags=re.S):
+    for block in re.findall(r"```bash\n(.*?)```", DOCS, flags=re.S):
         for line in block.replace("\\\n", " ").splitlines():
             line = line.split("  #")[0].strip()
             if line:
@@ -191,3 +195,13 @@ def test_readme_command_runs_with_its_flags(args, placeholders, monkeypatch, tmp
             ratio = float(r["time_vs_K1"]) / float(r["flops_ratio_vs_K1"])
             assert abs(float(r["time_over_flops_ratio"]) - ratio) < 1e-9
         assert float(rows[1]["flops_ratio_vs_K1"]) > 1  # K = 2 runs its unembedding twice
+
+
+def test_readme_is_a_guide_and_its_links_resolve():
+    """The README stays a short guide (at most 250 lines); every relative link of the README and
+    of docs/ names a file or folder of the repository."""
+    assert len(README.splitlines()) <= 250, "README.md: move details to docs/"
+    for page in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", page.read_text()):
+            if not re.match(r"[a-z]+:", target):
+                assert (page.parent / target).exists(), f"{page.name}: link to {target}"
