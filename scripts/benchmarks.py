@@ -93,7 +93,9 @@ def bench_command(section: Section, csv: Path, ckpt: str | None) -> list[str]:
     args = list(section.args)
     if section is DECODE:
         args[1:1] = ["--ckpt", ckpt]
-    return [sys.executable, "-m", "mtp.bench", *args, "--csv", str(csv)]
+    # -P: the repository root stays off the path, where its kernels/ folder would shadow the
+    # Hugging Face `kernels` package that transformers imports.
+    return [sys.executable, "-P", "-m", "mtp.bench", *args, "--csv", str(csv)]
 
 
 def shown(section: Section, ckpt: str | None) -> str:

@@ -1,10 +1,18 @@
 """Shared pytest setup: GPU auto-skip and the Triton CPU interpreter."""
 
 import os
+import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
+
+REPO = Path(__file__).resolve().parents[1]
+# The repository root on the path for its `experiments` package, but last: its `kernels/` folder
+# (installed as `mtp.kernels`) would otherwise shadow the Hugging Face `kernels` package that
+# transformers imports (`python -m pytest` puts the working directory first).
+sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != REPO] + [str(REPO)]
 
 if not torch.cuda.is_available():
     # Without a GPU the Triton kernels can only run in the interpreter, and Triton decides between

@@ -101,7 +101,6 @@ def _needs(flag: str) -> None:
 
 def test_fork_bomb_is_contained():
     _needs("process_limit")
-    before = len(os.listdir("/proc"))
     bomb = """
         import os
         def f():
@@ -113,8 +112,9 @@ def test_fork_bomb_is_contained():
     """
     result = _run(bomb, limits=Limits(timeout=4.0))
     assert not result.passed
-    # The bomb's processes are gone (checked by tag in _run) and the host can still fork.
-    assert len(os.listdir("/proc")) < before + 20
+    # The bomb's processes, which all carry the sample's tag on their command line, are gone
+    # (checked in _run; a count of the host's processes would also count other tests' running
+    # beside this one), and the host can still fork.
     _harness_still_works()
 
 
@@ -124,8 +124,11 @@ def test_fork_bomb_is_contained():
 ])
 def test_memory_bomb_fails_fast(bomb):
     """The memory limit ends the bomb, not the clock: the one process reaches its address-space
-    limit (`Limits.memory_bytes`, also the cgroup's) first, so its allocation raises."""
-    result = _run(f"def f():\n{textwrap.indent(bomb, '    ')}\n    return 1\n")
+    limit (`Limits.memory_bytes`, also the cgroup's) first, so its allocation raises. The clock
+    is generous (on a loaded machine the appending bomb takes seconds to fill 2 GiB), so a
+    verdict of `timeout` means the memory limit did not hold."""
+    result = _run(f"def f():\n{textwrap.indent(bomb, '    ')}\n    return 1\n",
+                  limits=Limits(timeout=60.0))
     assert result.outcome == "failed" and result.error.startswith("MemoryError"), result
 
 

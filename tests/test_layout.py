@@ -232,3 +232,10 @@ def test_the_package_exports_its_public_contract_lazily():
         assert getattr(mtp, name) is not None
     with pytest.raises(AttributeError, match="'not_exported'"):
         mtp.not_exported
+
+
+def test_the_repositorys_kernels_folder_does_not_shadow_hugging_faces_kernels():
+    """transformers imports the Hugging Face `kernels` package where it is installed; the
+    repository's `kernels/` folder (installed as `mtp.kernels`) must not stand in its place."""
+    kernels = pytest.importorskip("kernels")
+    assert Path(kernels.__file__).resolve().parent != ROOT / "kernels", kernels.__file__
