@@ -185,7 +185,7 @@ def _findings(by: dict, head_types: list[str], ks: list[int], base: list[dict],
         own = {h: summarize(column(by[(h, str(k_top))], "spec_speedup"))["mean"] for h in ls}
         out.append("- Wall-clock speedup of self-speculation at K = "
                    f"{k_top} (one CPU thread, batch 1; means, a description, not a test), "
-                   "against the model's own greedy / the K = 1 model's greedy: "
+                   "against the model's own greedy / the K = 1 model's greedy (a different model): "
                    + ", ".join(f"{h} {own[h]:.2f}x / {sp[h]:.2f}x" for h in ls) + ".")
     ident = [r["spec_identical"] for h in head_types for k in ks
              for r in by.get((h, str(k)), []) if r.get("spec_identical", "") != ""]

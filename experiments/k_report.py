@@ -253,7 +253,9 @@ def verdicts(by: dict, ks: list[int], control, byte_level: bool, scale: Scale) -
                    + ", ".join(f"{v:.2f}" for v in ls) + " for K = " + ", ".join(map(str, ks))
                    + ".")
     for (col, k), test in speedups.items():
-        what = "its own greedy" if col == "spec_speedup" else "the K = 1 model's greedy"
+        what = ("its own greedy" if col == "spec_speedup" else "the K = 1 model's greedy "
+                "(a different model, whose head 1 sits deeper: this compares two models, not "
+                "the paper's speedup over a model's own greedy)")
         out.append(f"- Self-speculative wall-clock speedup of K = {k} against {what}: "
                    f"{test.stat()}: **{test.verdict('faster', 'slower')}**.")
     ident = [r["spec_identical"] for k in multi for r in by[k]
