@@ -13,6 +13,7 @@ import dataclasses
 import json
 import sys
 from collections import Counter
+from contextlib import ExitStack
 from pathlib import Path
 
 from mtp.eval.data import DataError, load_benchmark
@@ -24,7 +25,13 @@ from mtp.eval.harness import (
     print_table,
 )
 from mtp.eval.prompts import is_chat
-from mtp.eval.provenance import check_or_record, code_revision, path_digest, tasks_digest
+from mtp.eval.provenance import (
+    check_or_record,
+    claimed,
+    code_revision,
+    path_digest,
+    tasks_digest,
+)
 from mtp.eval.sandbox import Limits, detect_isolation
 
 __all__ = ["build_parser", "main"]
@@ -162,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     from mtp.config import UserError
 
     try:
-        return _run(args)
+        with ExitStack() as held:  # what the run holds until it ends: its --output
+            return _run(args, held)
     except (DataError, UserError) as e:
         print(f"mtp eval: error: {e}", file=sys.stderr)
         return 2
@@ -188,7 +196,7 @@ def _note_context_window(completer, max_new_tokens: int) -> None:
               f"{max_new_tokens}", file=sys.stderr)
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace, held: ExitStack) -> int:
     name = benchmark_name(args)
     for flag, path in (("--ckpt", args.ckpt), ("--draft-ckpt", args.draft_ckpt)):
         if path is not None and not Path(path).exists():
@@ -216,6 +224,7 @@ def _run(args: argparse.Namespace) -> int:
                             "use --n-samples 1")
     isolation = detect_isolation(args.isolation)
     if args.output is not None:
+        held.enter_context(claimed(args.output))  # before its results are checked or written
         moved = check_or_record(args.output, produced_by(args, name, benchmark, isolation,
                                                          decoder), fresh=args.fresh)
         if moved is not None:

@@ -19,6 +19,7 @@ import builtins
 import gzip
 import json
 import warnings
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,27 +92,32 @@ def read_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
 
     Raises:
         DataError: On a line that is not UTF-8 or not a JSON object, naming the file and the
-            line.
+            line; on a ``.gz`` file cut short (an interrupted download) or not gzip at all.
     """
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            try:  # line by line, so that an error can name the line
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not UTF-8 (byte {e.start + 1} of the line "
-                                f"is {raw[e.start]:#04x})") from None
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            if not isinstance(obj, dict):
-                kind = type(obj).__name__
-                raise DataError(f"{path}:{lineno}: expected a JSON object, got {kind}")
-            yield lineno, obj
+    lineno = 0
+    try:
+        with opener(path, "rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                try:  # line by line, so that an error can name the line
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise DataError(f"{path}:{lineno}: not UTF-8 (byte {e.start + 1} of the "
+                                    f"line is {raw[e.start]:#04x})") from None
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+                if not isinstance(obj, dict):
+                    kind = type(obj).__name__
+                    raise DataError(f"{path}:{lineno}: expected a JSON object, got {kind}")
+                yield lineno, obj
+    except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+        raise DataError(f"{path}: the gzip data is cut short or corrupt after line {lineno} "
+                        f"({e}); use an intact copy") from None
 
 
 def _require(path: Path, what: str, how: str) -> Path:

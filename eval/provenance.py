@@ -9,7 +9,8 @@ it moves the old results into ``stale-<time>/`` inside the directory (nothing is
 starts afresh. Results without a ``provenance.json`` cannot be checked and are treated as
 different; a ``provenance.json`` without results (a run that stopped before its first sample,
 e.g. on a checkpoint without the chat template its ``--prompt-format`` needs) holds nothing to
-protect and is replaced.
+protect and is replaced. One run at a time writes an output directory (`claimed`): a second one
+started meanwhile is refused, since both would append to the same files.
 """
 
 from __future__ import annotations
@@ -19,13 +20,15 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from mtp.eval.data import Benchmark, DataError
 
-from mtp.atomic import rename, write_json
+from mtp.atomic import lock, rename, write_json
 
-__all__ = ["PROVENANCE", "RESULTS", "check_or_record", "code_revision", "path_digest",
+__all__ = ["PROVENANCE", "RESULTS", "check_or_record", "claimed", "code_revision", "path_digest",
            "tasks_digest"]
 
 PROVENANCE = "provenance.json"
@@ -66,6 +69,28 @@ def code_revision() -> str:
         return rev + ("-dirty" if dirty else "")
     found = versions("mtp")
     return f"mtp {found['mtp']}" if "mtp" in found else "unknown"
+
+
+@contextmanager
+def claimed(output_dir: str | os.PathLike) -> Iterator[Path]:
+    """`output_dir` (created if need be) for this run alone while the block runs.
+
+    Raises:
+        DataError: If another run holds it, or it cannot be created.
+    """
+    out = Path(output_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd = os.open(out, os.O_RDONLY)  # the lock is the directory's: no file of its own
+    except OSError as err:  # a file where a folder of the path should be, no permission ...
+        raise DataError(f"--output {out}: cannot create it ({err.strerror})") from None
+    try:
+        if not lock(fd, blocking=False):
+            raise DataError(f"--output {out} is in use by another mtp eval running now; wait for "
+                            "it to end, or choose another --output")
+        yield out
+    finally:
+        os.close(fd)
 
 
 def check_or_record(output_dir: str | os.PathLike, produced: dict, *, fresh: bool = False

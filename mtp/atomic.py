@@ -17,8 +17,8 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import IO
 
-__all__ = ["atomic_file", "atomic_write", "fsync_dir", "fsync_file", "rename", "write_json",
-           "write_text"]
+__all__ = ["atomic_file", "atomic_write", "fsync_dir", "fsync_file", "lock", "rename",
+           "write_json", "write_text"]
 
 # The process's umask (read by setting it, then set back): a written file gets the mode a plain
 # open would give it, not mkstemp's owner-only 0600, so a shared cache or results folder stays
@@ -43,6 +43,21 @@ def fsync_dir(path: str | os.PathLike) -> None:
 def fsync_file(path: str | os.PathLike) -> None:
     with open(path, "rb+") as f:
         os.fsync(f.fileno())
+
+
+def lock(f: IO | int, *, blocking: bool) -> bool:
+    """An exclusive flock on open file (or directory descriptor) `f`, released when it is
+    closed or the process ends however it ends; False if another process holds it (without
+    `blocking`). What one process is writing, no other writes at the same time."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: no advisory locks
+        return True
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+    except BlockingIOError:
+        return False
+    return True
 
 
 def rename(src: str | os.PathLike, dst: str | os.PathLike) -> None:

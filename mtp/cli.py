@@ -22,7 +22,8 @@ COMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     """Dispatch `mtp <command> ...`. A user's mistake (`mtp.config.UserError`) is reported in a
-    line or two and exits 2; `--debug` anywhere on the line shows its traceback instead."""
+    line or two and exits 2, a Ctrl-C in a line and exit status 130 (`mtp fit` keeps what it
+    can, `mtp.fault`); `--debug` anywhere on the line shows the traceback instead."""
     argv = sys.argv[1:] if argv is None else list(argv)
     debug = "--debug" in argv
     if debug:
@@ -37,6 +38,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mtp {argv[0]}: error: {err}\n(--debug shows where it was raised)",
               file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"\nmtp {argv[0]}: interrupted", file=sys.stderr)
+        return 130
 
 
 def _dispatch(argv: list[str]) -> int:
@@ -108,6 +114,10 @@ def _export(argv: list[str]) -> int:
         out = export(model, tokenizer, args.output)
     except (ExportError, FileNotFoundError, ValueError) as e:
         print(f"mtp export: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a file where a folder of --output is, another export there meanwhile
+        print(f"mtp export: error: --output {args.output}: {e.strerror} ({e.filename}); nothing "
+              "was written", file=sys.stderr)
         return 2
     n = model.cfg.n_future
     print(f"wrote {out}: LlamaForCausalLM of {model.cfg.n_trunk_layers + 1} layers (head 1)"

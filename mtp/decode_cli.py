@@ -228,6 +228,11 @@ def generate_main(argv: list[str]) -> int:
     device_args(p)
     args = p.parse_args(argv)
     tree, problems = check_args(args)
+    try:  # a terminal in another encoding: Python keeps the bytes as lone surrogates
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        problems.append(f"--prompt is not UTF-8 text (character {e.start + 1} is the byte "
+                        f"{ord(args.prompt[e.start]) & 0xFF:#04x}); give it in UTF-8")
     request = decode_request(args, decoder=args.decoder, heads=args.heads, tree=tree)
     refuse(p, problems + request_problems([request]))
     model, tokenizer, draft, draft_tokenizer = load(p, args, draft=args.decoder == "draft")

@@ -14,7 +14,8 @@ text` with `--loss.targets greedy` (where the text follows the model's greedy pa
 nearly everywhere in its own answers, every head learns the exact token speculation accepts).
 
 Lines are appended a batch at a time and flushed; a rerun with the same arguments continues after
-the last complete line, so an interrupted run loses at most one batch.
+the last complete line, so an interrupted run loses at most one batch. One run at a time writes an
+`--out` file: a second one started meanwhile is refused.
 """
 
 from __future__ import annotations
@@ -142,28 +143,39 @@ def main(argv: list[str]) -> int:
     source = Path(args.source)
     if not source.is_dir():
         p.error(f"--source {source} is not a directory")
+    out = Path(args.out)
+    if out.is_dir():
+        p.error(f"--out {out} is a directory; give the .jsonl file to write")
     todo = requests(source, args.requests, args.seed, args.style)
     if not todo:
         p.error(f"--source {source} has no documented public functions")
 
     import torch
 
+    from mtp.atomic import lock
     from mtp.decoding import generate
     from mtp.eval.chat import ChatTemplate
+    from mtp.hf import ExportError
     from mtp.vocab import eot_id
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tokenizer = _load(args.model, max_seq_len=2048)
+    try:
+        model, tokenizer = _load(args.model, max_seq_len=2048)
+    except ExportError as err:  # a pretrained model that cannot be read; the message says why
+        p.error(f"--model {str(err).removeprefix('--model.init_from ')}")
     cfg = model.cfg
     if not cfg.chat_template:
         p.error(f"--model {args.model} has no chat template to put the requests in")
     chat = ChatTemplate(cfg.chat_template, eos_token=cfg.eot_token)
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    start = _done(out)
     eot = eot_id(tokenizer, cfg)
     with open(out, "a", encoding="utf-8") as f:
+        # the lines are counted to resume: two runs appending at once would break the count
+        if not lock(f, blocking=False):
+            p.error(f"--out {out} is being written by another mtp distill; wait for it to end, "
+                    "or choose another --out")
+        start = _done(out)
         for b in range(start, len(todo), args.batch_size):
             batch = todo[b:b + args.batch_size]
             prompts = [chat.render([{"role": "user", "content": r}]) for r in batch]

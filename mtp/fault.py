@@ -10,8 +10,9 @@ keep, the command that goes on from there, and exit status 128 + the signal.
   prepared until the process ends (it replaces the SIGTERM handler that Lightning sets when
   training starts, whose `SIGTERMException` exits 0). What a signal does depends on the stage:
 
-  - data preparation, tokenisation, or after training: the run stops at once (`Stopped`); the
-    shards keep their last checkpoint, so the printed command continues them;
+  - data preparation, tokenisation, or after training: the run stops at once (`Stopped`), or
+    as soon as the tokenising workers have started if they are starting; the shards keep their
+    last checkpoint, so the printed command continues them;
   - a training step, or a checkpoint being written: the step or the write in flight finishes
     (a signal raised mid-step could leave the weights half updated), then
     ``interrupted-step=N.ckpt`` is saved, ``last.ckpt`` made the same file, and the trainer
@@ -39,7 +40,7 @@ import lightning as L
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from mtp.atomic import atomic_file, atomic_write
+from mtp.atomic import atomic_file, atomic_write, lock
 
 __all__ = ["AtomicCheckpointIO", "Interruptible", "Stopped", "remove_stale_temporaries",
            "resume_command"]
@@ -64,22 +65,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         # The lock tells `remove_stale_temporaries` the file is being written; it is held
         # until the rename, so it covers the temporary file's whole life.
         with atomic_file(path, "wb", prefix=_tmp_prefix(Path(path).name)) as f:
-            _lock(f, blocking=True)
+            lock(f, blocking=True)
             torch.save(checkpoint, f)
-
-
-def _lock(f, *, blocking: bool) -> bool:
-    """An exclusive flock on open file `f` (released when the file is closed, or the process
-    ends however it ends); False if another process holds it."""
-    try:
-        import fcntl
-    except ImportError:  # Windows: no advisory locks
-        return True
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
-    except BlockingIOError:
-        return False
-    return True
 
 
 def remove_stale_temporaries(folder: str | os.PathLike) -> list[Path]:
@@ -93,7 +80,7 @@ def remove_stale_temporaries(folder: str | os.PathLike) -> list[Path]:
     for tmp in sorted(Path(folder).glob(".*.ckpt.*.tmp")):
         try:
             with open(tmp, "rb") as f:
-                if not _lock(f, blocking=False):
+                if not lock(f, blocking=False):
                     continue  # being written right now
                 tmp.unlink()
         except OSError:  # gone meanwhile, or not ours to delete
@@ -162,6 +149,13 @@ class Stopped(BaseException):
         self.signum = signum
 
 
+def _held(signum: int) -> bool:
+    """Whether the code running now holds `signum` back: blocked in this thread, as while the
+    tokenising workers start (`mtp.data.encoder_pool`), where a raise would be lost."""
+    return hasattr(signal, "pthread_sigmask") and \
+        signum in signal.pthread_sigmask(signal.SIG_BLOCK, ())
+
+
 class Interruptible(L.Callback):
     """The SIGINT / SIGTERM handler of `mtp fit` at every stage (see the module docstring)."""
 
@@ -191,6 +185,9 @@ class Interruptible(L.Callback):
         self._previous = {}
 
     def _handle(self, signum, frame) -> None:
+        if _held(signum):  # another thread took it: pending here, it comes back when released
+            signal.pthread_kill(threading.get_ident(), signum)
+            return
         if self.requested is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt  # a second Ctrl-C: now
         if self.requested is None:

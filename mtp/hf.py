@@ -238,7 +238,8 @@ def load_export(path: str | os.PathLike) -> tuple[MTPTransformer, Tokenizer]:
     """Rebuild the model (every head) and tokenizer of an exported directory, in eval mode.
 
     Raises:
-        ExportError: If the directory is not an mtp export, or its files do not fit together.
+        ExportError: If the directory is not an mtp export, or one of its files is missing,
+            unreadable or does not fit the others (the message names the file).
     """
     from safetensors.torch import load_file
 
@@ -248,14 +249,29 @@ def load_export(path: str | os.PathLike) -> tuple[MTPTransformer, Tokenizer]:
     if not is_export(path):
         raise ExportError(f"{path} is not an mtp export (no {MTP_CONFIG}; `mtp export hf` writes "
                           f"one)")
-    meta = json.loads((path / MTP_CONFIG).read_text())
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise ExportError(f"{path / MTP_CONFIG}: format_version {meta.get('format_version')!r}, "
-                          f"this mtp reads {FORMAT_VERSION}")
-    cfg = ModelConfig(**meta["model_config"])
+    # Each file a user may have deleted or edited is named with what is wrong with it.
+    try:
+        meta = json.loads((path / MTP_CONFIG).read_text())
+        version = meta.get("format_version")
+        cfg = ModelConfig(**meta["model_config"]) if version == FORMAT_VERSION else None
+    except (ValueError, TypeError, KeyError, AttributeError) as err:  # a ConfigError included
+        raise ExportError(f"{path / MTP_CONFIG} does not hold an mtp model config: "
+                          f"{type(err).__name__}: {err}") from None
+    if cfg is None:
+        raise ExportError(f"{path / MTP_CONFIG}: format_version {version!r}, this mtp reads "
+                          f"{FORMAT_VERSION}")
     _check_exportable(cfg)
-    llama = load_file(path / "model.safetensors")
-    heads = load_file(path / MTP_HEADS) if (path / MTP_HEADS).is_file() else {}
+    weights = {}
+    for name in ("model.safetensors", MTP_HEADS):
+        if name == MTP_HEADS and not (path / name).is_file():
+            weights[name] = {}  # K = 1 has no other heads (a deleted file fails the digests)
+            continue
+        try:
+            weights[name] = load_file(path / name)
+        except Exception as err:  # safetensors raises its own error, or an OSError
+            raise ExportError(f"{path / name} cannot be read: {type(err).__name__}: "
+                              f"{err}") from None
+    llama, heads = weights["model.safetensors"], weights[MTP_HEADS]
     # An export written before the digests loads unchecked.
     for name, tensors in (("model.safetensors", llama), (MTP_HEADS, heads)):
         want = meta.get(DIGESTS, {}).get(name)
@@ -271,11 +287,20 @@ def load_export(path: str | os.PathLike) -> tuple[MTPTransformer, Tokenizer]:
         state.update({f"{into}.{k}": v for k, v in layer.items()})
     state.update(heads)
     model = MTPTransformer(cfg)
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as err:  # a tensor of another shape than the config gives
+        first = [line.strip() for line in str(err).splitlines()[1:] if line.strip()][:1]
+        raise ExportError(f"{path}: the weights do not fit the model config of {MTP_CONFIG} "
+                          f"({'; '.join(first) or err})") from None
     if missing or unexpected:
         raise ExportError(f"{path}: weights do not fit the config (missing {missing[:4]}, "
                           f"unexpected {unexpected[:4]})")
-    tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+    try:
+        tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+    except Exception as err:  # tokenizers raises a bare Exception, missing file or bad JSON
+        raise ExportError(f"{path / 'tokenizer.json'} is not a readable tokenizer: "
+                          f"{err}") from None
     check_vocab(tokenizer, cfg, source=str(path))
     return model.eval(), tokenizer
 

@@ -1,16 +1,24 @@
 """A hostile user's command lines against every command, with a verdict for each.
 
-    python scripts/bad_input_sweep.py [--jobs 2] [--only fit,generate,...]
+    python scripts/bad_input_sweep.py [--jobs 2] [--only fit,generate,...] [--data DIR]
 
-Builds tiny fixtures in a temporary directory (a K = 4 and a K = 1 checkpoint, a text file, a
-malformed YAML, broken completion files, ...), runs each case as its own process with a time
-limit, and prints a markdown table: the command, its exit status, the last line it printed and a
-verdict.
+Builds fixtures in a temporary directory (a K = 4 and a K = 1 checkpoint, a text file, a
+malformed YAML, broken completion files, odd corpora, truncated GGUF files, exports with a side
+file deleted or edited, ...), runs each case as its own process with a time limit, and prints a
+markdown table: the command, its exit status, the last line it printed and a verdict.
+
+Besides one command, a case may send its process a signal once it reaches a stage (a line in
+its output, or a file it creates), or start several commands at once; either may then check what
+they left behind (the printed resume command runs, an output folder holds no contradictory
+results, ...). Those cases, and the odd files they use, are in `hostile_sweep.py`.
 
     clear      exit status 2 (or the expected one), no traceback, and the message holds what
                the case expects (the flag, file or value at fault)
-    handled    the command succeeded where the input is valid but unusual, and did the right thing
-    BAD        anything else: a traceback, a wrong flag blamed, a silent success, a time-out
+    handled    the command succeeded where the input is valid but unusual, and did the right
+               thing; or a signal stopped it as promised, or commands run at once kept apart
+               (one refused, or all consistent), and what they left passed the case's check
+    BAD        anything else: a traceback, a wrong flag blamed, a silent success, a time-out, a
+               failed check
 
 The exit status is the number of BAD cases. Nothing here is a test (each case starts torch, so
 the sweep takes minutes); `tests/` holds one test per guarded case.
@@ -21,33 +29,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-MTP = [sys.executable, "-m", "mtp.cli"]
+from hostile_sweep import MTP, REPO, Case, Run, env, odd_cases, odd_fixtures
 
 
-@dataclass
-class Case:
-    group: str
-    argv: list[str]
-    expect: str  # substring of the output that names the fault (or marks success)
-    status: int = 2
-    timeout: float = 120
-
-    def command(self, root: Path) -> str:
-        text = shlex.join(self.argv).replace(" ".join(MTP), "mtp")
-        return (text.replace(str(root) + "/", "").replace(str(REPO) + "/", "")
-                .replace(sys.executable, "python"))
-
-
-def fixtures(root: Path) -> dict[str, str]:
+def fixtures(root: Path, data: Path) -> dict[str, str]:
     """Checkpoints and files the cases point at."""
     import torch
 
@@ -84,7 +77,9 @@ def fixtures(root: Path) -> dict[str, str]:
     paths["EXISTING"] = str(root / "existing")
     paths["MISSING"] = str(root / "missing.ckpt")
     paths["OUT"] = str(root / "out")
+    paths.update(odd_fixtures(root, tok, paths, data))
     return paths
+
 
 
 def cases(p: dict[str, str]) -> list[Case]:
@@ -208,34 +203,101 @@ def cases(p: dict[str, str]) -> list[Case]:
                              "--preset", "nonsense"], "nonsense"),
         Case("experiments", [sys.executable, str(REPO / "experiments" / "arithmetic.py"),
                              "--preset", p["LISTYAML"]], "list.yaml"),
-    ]
+    ] + odd_cases(p)
+
+
+# -- running a case -----------------------------------------------------------------------------
+
+
+class _Output(threading.Thread):
+    """Collects a process's output as it comes (a stage is a text in it)."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        super().__init__(daemon=True)
+        self.proc, self.chunks = proc, []
+        self.start()
+
+    def run(self) -> None:
+        while chunk := os.read(self.proc.stdout.fileno(), 1 << 16):
+            self.chunks.append(chunk)
+
+    def text(self) -> str:
+        return b"".join(self.chunks).decode("utf-8", "replace")
+
+
+def _reached(at: str, proc: _Output, folder: Path) -> bool:
+    return any(folder.glob(at[5:])) if at.startswith("file:") else at in proc.text()
 
 
 def run(case: Case, root: Path) -> dict:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "PYTHONPATH": str(REPO)}
-    try:  # in the temporary directory: whatever a case writes (runs/, caches) goes there
-        proc = subprocess.run(case.argv, cwd=root, env=env, capture_output=True, text=True,
-                              timeout=case.timeout)
-    except subprocess.TimeoutExpired:
-        return {"status": "timeout", "last": "", "verdict": "BAD"}
-    out = proc.stdout + proc.stderr
-    lines = [line for line in out.splitlines() if line.strip()]
-    shown = next((line for line in reversed(lines) if case.expect in line), lines[-1] if lines
-                 else "").replace(str(root) + "/", "")
-    good = (proc.returncode == case.status and "Traceback" not in out and case.expect in out)
-    verdict = ("handled" if case.status == 0 else "clear") if good else "BAD"
-    return {"status": proc.returncode, "last": shown.strip()[:160], "verdict": verdict}
+    # in the temporary directory, or a folder of its own there: whatever a case writes (runs/,
+    # caches) goes there
+    folder = root / case.cwd if case.cwd else root
+    folder.mkdir(exist_ok=True)
+    deadline = time.monotonic() + case.timeout
+    procs = [subprocess.Popen(argv, cwd=folder, env=env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT) for argv in [case.argv, *case.also]]
+    outputs = [_Output(proc) for proc in procs]
+    missed = ""
+    if case.signal is not None:
+        while not _reached(case.at, outputs[0], folder) and procs[0].poll() is None \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if _reached(case.at, outputs[0], folder):
+            time.sleep(case.delay)
+            procs[0].send_signal(case.signal)  # nothing, if it has ended meanwhile
+        else:
+            missed = f"(ended before {case.at!r}) "
+    timed_out = False
+    for proc in procs:
+        try:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            timed_out = True
+    for proc, output in zip(procs, outputs):
+        output.join()
+        proc.stdout.close()
+    results = [(proc.returncode, output.text()) for proc, output in zip(procs, outputs)]
+    seconds = case.timeout - (deadline - time.monotonic())
+    if timed_out:
+        return {"status": "timeout", "last": missed, "verdict": "BAD", "seconds": seconds}
+
+    def shown(out: str) -> str:
+        lines = [line for line in out.splitlines() if line.strip()]
+        line = next((line for line in reversed(lines) if case.expect in line),
+                    lines[-1] if lines else "")
+        return line.replace(str(root) + "/", "").strip()[:160]
+
+    good = (all("Traceback" not in out for _, out in results)
+            and any(status == case.status and case.expect in out for status, out in results))
+    last = " / ".join(shown(out) for _, out in results)
+    if good and case.check is not None:
+        try:
+            problem = case.check(Run(case, folder, results))
+        except Exception as err:  # what the case left is not what the check reads
+            problem = f"the check failed: {type(err).__name__}: {err}"
+        if problem:
+            good, last = False, problem.replace(str(root) + "/", "")
+    special = case.signal is not None or case.also
+    verdict = ("handled" if case.status == 0 or special else "clear") if good else "BAD"
+    return {"status": ", ".join(str(status) for status, _ in results), "last": missed + last,
+            "verdict": verdict, "seconds": seconds}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=2, help="cases run at once")
     parser.add_argument("--only", default=None, help="comma-separated groups")
+    parser.add_argument("--data", type=Path, default=Path(os.environ.get(
+        "MTP_SHARED_DATA", REPO.parent / "shared" / "data")),
+                        help="local benchmark data (mbpp/mbpp.jsonl), as the tests find it; the "
+                             "MBPP case needs it")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        todo = cases(fixtures(root))
+        todo = cases(fixtures(root, args.data))
         if args.only:
             todo = [c for c in todo if c.group in args.only.split(",")]
         # the eval cases that write into out/ must run in order
@@ -252,6 +314,9 @@ def main() -> int:
             print(f"| {i} | `{cmd}` | {r['status']} | {r['verdict']} | {last} |")
         bad = sum(results[id(c)]["verdict"] == "BAD" for c in todo)
         print(f"\n{len(todo)} cases: {len(todo) - bad} clear or handled, {bad} BAD")
+        slowest = sorted(range(len(todo)), key=lambda i: -results[id(todo[i])]["seconds"])[:10]
+        print("slowest cases (#, seconds): " + ", ".join(
+            f"{i + 1} {results[id(todo[i])]['seconds']:.0f}" for i in slowest), file=sys.stderr)
     return bad
 
 

@@ -17,6 +17,21 @@ def test_tokenizer_round_trips_and_has_end_of_text():
     assert tok.get_vocab_size() <= 300
 
 
+def test_a_line_of_a_million_letters_trains_in_seconds():
+    """The trainer's time is quadratic in a word's length: a run longer than LONGEST_WORD
+    reaches it in pieces, and the tokenizer still encodes the run whole."""
+    import random
+    import time
+
+    rng = random.Random(0)
+    word = rng.randbytes(1 << 20).translate(bytes(97 + b % 26 for b in range(256))).decode()
+    text = f"BLOB = '{word}'\n"
+    start = time.perf_counter()
+    tok = train_tokenizer([text], 300, 2 << 20)
+    assert time.perf_counter() - start < 60
+    assert tok.decode(tok.encode(text).ids) == text
+
+
 def test_given_tokenizer_must_fit_model_vocabulary(tiny_corpus, tmp_path):
     dm = datamodule(tiny_corpus, tmp_path)
     path = tmp_path / "tok.json"

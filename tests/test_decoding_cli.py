@@ -150,6 +150,8 @@ def test_generate_other_decoders(ckpts, capsys, decoder) -> None:
          "--temperature must be finite and >= 0 (got nan)"),
         (["--ckpt", "TEXT"], "notes.txt is not a checkpoint torch can read"),
         (["--ckpt", "K4", "--prompt", "x = 1\n" * 40], "--prompt has"),
+        (["--ckpt", "K4", "--prompt", "caf\udce9"],  # b"caf\xe9" from a Latin-1 terminal
+         "--prompt is not UTF-8 text (character 4 is the byte 0xe9)"),
     ],
 )
 def test_generate_bad_input_exits_2_naming_the_flag(ckpts, capsys, args, message) -> None:
@@ -221,6 +223,17 @@ def test_bench_decode_bad_input(ckpts, capsys) -> None:
         (["--tree", "2,-1"], "--tree must be"),
         (["--prompts", "nowhere.jsonl"], "--prompts: nowhere.jsonl is neither"),
     ]:
+        with pytest.raises(SystemExit) as e:
+            bench_main(["--ckpt", ckpts["k4"], *args])
+        assert e.value.code == 2 and message in capsys.readouterr().err, args
+
+
+def test_bench_decode_refuses_a_folder_as_csv_and_binary_prompts_before_running(
+        ckpts, tmp_path, capsys) -> None:
+    blob = tmp_path / "blob.py"
+    blob.write_bytes(b"\x00\xcd\xff binary")
+    for args, message in [(["--csv", str(tmp_path)], f"--csv {tmp_path} is a directory"),
+                          (["--prompts", str(blob)], f"--prompts {blob}: not UTF-8 text")]:
         with pytest.raises(SystemExit) as e:
             bench_main(["--ckpt", ckpts["k4"], *args])
         assert e.value.code == 2 and message in capsys.readouterr().err, args

@@ -136,3 +136,29 @@ def test_a_model_without_a_chat_template_is_refused(setup, capsys):
               "--source", str(src)])
     assert "has no chat template" in capsys.readouterr().err
     assert not (tmp / "x.jsonl").exists()
+
+
+def test_an_unreadable_model_a_folder_as_out_and_an_out_in_use_are_refused(setup, capsys):
+    """Each refusal names the flag and the file, and none writes anything."""
+    import fcntl
+
+    tmp, src, _, _ = setup
+    (tmp / "notes.txt").write_text("not a model\n")
+    cut = tmp / "cut.gguf"
+    cut.write_bytes(b"GGUF" + bytes(100))
+    out = tmp / "d.jsonl"
+    base = ["distill", "--source", str(src), "--max-new-tokens", "4"]
+    for model, message in ((tmp / "notes.txt", f"--model {tmp / 'notes.txt'}: no config.json"),
+                           (cut, f"--model {cut} is truncated or corrupt")):
+        with pytest.raises(SystemExit):
+            main([*base, "--model", str(model), "--out", str(out)])
+        assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*base, "--model", str(tmp / "m.ckpt"), "--out", str(tmp)])
+    assert f"--out {tmp} is a directory" in capsys.readouterr().err
+    with open(out, "a") as held:  # another `mtp distill` writing it
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(SystemExit):
+            main([*base, "--model", str(tmp / "m.ckpt"), "--out", str(out)])
+    assert "is being written by another mtp distill" in capsys.readouterr().err
+    assert out.read_text() == ""

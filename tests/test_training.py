@@ -202,6 +202,20 @@ def test_a_user_error_is_two_lines_and_debug_shows_the_traceback(tmp_path, capsy
         main([*args, "--debug"])
 
 
+def test_a_ctrl_c_is_one_line_and_exit_status_130(monkeypatch, capsys):
+    """Outside `mtp fit` (which keeps what it can, `mtp.fault`): no KeyboardInterrupt trace."""
+    import mtp.decode_cli
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(mtp.decode_cli, "generate_main", interrupted)
+    assert main(["generate", "--prompt", "x"]) == 130
+    assert capsys.readouterr().err.strip() == "mtp generate: interrupted"
+    with pytest.raises(KeyboardInterrupt):
+        main(["generate", "--debug"])
+
+
 def test_mtp_fit_end_to_end(tiny_corpus, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     code = main(["fit", "--config", str(REPO / "configs" / "debug.yaml"),

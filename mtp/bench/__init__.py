@@ -23,6 +23,7 @@ import argparse
 import importlib
 import shlex
 import sys
+from pathlib import Path
 
 from mtp.config import DECODERS, HEAD_TYPES
 
@@ -192,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         return importlib.import_module(f"mtp.bench.{workers[argv[0]]}").worker(argv[1])
     top, subs = parser()
     args = top.parse_args(argv)
+    if Path(args.csv).is_dir():  # found before the benchmark runs, not when it ends
+        subs[args.what].error(f"--csv {args.csv} is a directory; give the .csv file to append to")
     args.command = shlex.join(["mtp", "bench", *argv])
     module = importlib.import_module(f"mtp.bench.{args.what}")
     return module.run(subs[args.what], args)

@@ -216,10 +216,15 @@ def _file_prompts(p, spec: str) -> list[str]:
     path = Path(spec)
     if not path.is_file():
         p.error(f"--prompts: {spec} is neither humaneval, mbpp=FILE nor a file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        p.error(f"--prompts {spec}: not UTF-8 text (byte {e.start + 1} is "
+                f"{e.object[e.start]:#04x})")
     if path.suffix != ".jsonl":
-        return [path.read_text()]
+        return [text]
     texts = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
+    for i, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:

@@ -8,6 +8,7 @@ on at most a given number of bytes of it; `load_tokenizer` reads a `tokenizer.js
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -17,13 +18,32 @@ from mtp.checkpoint import EOT_TOKEN
 from mtp.config import InputError, MissingInput
 from mtp.data.corpus import DocumentReader, SourceSpec, in_validation
 
+#: The longest run of one kind of character (letters, digits, other symbols, whitespace: the
+#: byte-level pre-tokenizer's words) that the trainer sees whole. Its merges take time quadratic
+#: in a word's length, so one long line without a break would train for hours; a longer run
+#: reaches it in pieces of this length. A text without such a run trains as before.
+LONGEST_WORD = 1000
+_LONG_RUN = re.compile("|".join(f"{kind}{{{LONGEST_WORD},}}"
+                                for kind in (r"[^\W\d_]", r"\d", r"(?:[^\w\s]|_)", r"\s")))
+
+
+def _pieces(text: str) -> Iterator[str]:
+    """`text`, cut inside each run longer than `LONGEST_WORD` into runs of that length."""
+    start = 0
+    for run in _LONG_RUN.finditer(text):
+        for cut in range(run.start() + LONGEST_WORD, run.end(), LONGEST_WORD):
+            yield text[start:cut]
+            start = cut
+    yield text[start:]
+
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int, max_bytes: int,
                     eot_token: str = EOT_TOKEN) -> Tokenizer:
     """A byte-level BPE with the end-of-text token `eot_token` (id 0), trained on at most
     `max_bytes`.
 
-    `texts` may be a stream: it is read only up to `max_bytes`.
+    `texts` may be a stream: it is read only up to `max_bytes`. A run of one kind of character
+    longer than `LONGEST_WORD` is seen in pieces.
     """
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -39,7 +59,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, max_bytes: int,
             if seen >= max_bytes:
                 return
             seen += len(text)
-            yield text
+            yield from _pieces(text)
 
     tok.train_from_iterator(sample(), trainer=trainer)
     return tok

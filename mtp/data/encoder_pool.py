@@ -75,6 +75,8 @@ def _init_worker(tokenizer_json: str, eot: int, dtype: str, parent: int) -> None
     # parent used it before fork(), does not exist in the child.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
+    if hasattr(signal, "pthread_sigmask"):  # forked inside `_signals_held`: a SIGTERM stops it
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT, signal.SIGTERM))
     _die_with_parent(parent)
     tok = Tokenizer.from_str(tokenizer_json)
     _WORKER = (tok, eot, np.dtype(dtype))
@@ -107,6 +109,23 @@ def _serial_tokenizers_env() -> Iterator[None]:
             os.environ.pop("TOKENIZERS_PARALLELISM", None)
 
 
+@contextmanager
+def _signals_held() -> Iterator[None]:
+    """SIGINT and SIGTERM wait until the block ends, blocked in this thread (a handler that
+    finds them blocked, `mtp.fault`'s, leaves them pending here). The first submit starts the
+    workers: a handler raising there would raise in a callback of `os.fork`, where Python prints
+    and ignores the exception, or between the executor's steps of starting, leaving workers that
+    nothing stops, so that the process never exits."""
+    if not hasattr(signal, "pthread_sigmask"):  # Windows: no signal masks
+        yield
+        return
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGINT, signal.SIGTERM))
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
 class EncoderPool:
     """`workers` processes encoding batches; `map` returns results in input order, reading the
     input only as far as 2 x workers batches ahead of what the caller has taken."""
@@ -126,7 +145,9 @@ class EncoderPool:
         pending: deque = deque()
         with _serial_tokenizers_env():  # the executor forks its workers on the first submits
             for batch in batches:
-                pending.append((batch, self.executor.submit(_encode, batch.texts)))
+                with _signals_held():
+                    future = self.executor.submit(_encode, batch.texts)
+                pending.append((batch, future))
                 if len(pending) >= self.depth:
                     done, future = pending.popleft()
                     yield done, *future.result()
