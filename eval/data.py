@@ -81,6 +81,8 @@ class Benchmark:
     source: str
     """Where the data came from (file path or hub id), for the summary."""
     shots: list[Task] = field(default_factory=list)
+    repairs: dict[str, str] = field(default_factory=dict)
+    """Task id to how its tests were repaired on loading (:func:`_asserting`)."""
 
     def by_id(self) -> dict[str, Task]:
         """Tasks keyed by id."""
@@ -297,7 +299,7 @@ def _load_mbpp_plus(path: Path | None) -> Benchmark:
     if path is None:
         raise DataError(f"MBPP+ needs a local data file: {hint}")
     _require(path, "MBPP+", hint)
-    tasks = []
+    tasks, repairs = [], {}
     for n, row in read_jsonl(path):
         where = f"{path}:{n}"
         if "plus_input" in row or "test" not in row:
@@ -307,18 +309,46 @@ def _load_mbpp_plus(path: Path | None) -> Benchmark:
         tests = _literal_list(row["test_list"], where)
         imports = _literal_list(row.get("test_imports", "[]"), where)
         code = row["code"]
+        task_id = f"Mbpp/{int(str(row['task_id']).split('/')[-1])}"
+        test, repair = _asserting(row["test"])
+        if repair:
+            repairs[task_id] = repair
         tasks.append(Task(
-            task_id=f"Mbpp/{int(str(row['task_id']).split('/')[-1])}",
+            task_id=task_id,
             prompt=row["prompt"].strip(),
             entry_point=_called_function(tests, code),
             canonical_solution=code,
-            test="\n".join(imports) + "\n" + row["test"],
+            test="\n".join(imports) + "\n" + test,
             completes_prompt=False,
             examples=tuple(tests),
         ))
     shots = [t for t in tasks if int(t.task_id.split("/")[1]) in MBPP_SHOT_IDS]
     shots.sort(key=lambda t: int(t.task_id.split("/")[1]))
-    return Benchmark("mbpp+", tasks, str(path), shots)
+    return Benchmark("mbpp+", tasks, str(path), shots, repairs)
+
+
+def _asserting(test: str) -> tuple[str, str]:
+    """MBPP+ tests with an ``assertion`` helper that computes ``exact_match`` and never asserts
+    it (tasks 737, 787 and 794 of MbppPlus-OriginFmt: any answer would pass), with the assert
+    added at the end of the helper; and what was done ('' where nothing was)."""
+    try:
+        tree = ast.parse(test)
+    except SyntaxError:
+        return test, ""
+    for node in tree.body:
+        if not (isinstance(node, ast.FunctionDef) and node.name == "assertion"):
+            continue
+        if any(isinstance(n, (ast.Assert, ast.Raise)) for n in ast.walk(node)):
+            return test, ""
+        if not any(isinstance(t, ast.Name) and t.id == "exact_match"
+                   for n in ast.walk(node) if isinstance(n, ast.Assign) for t in n.targets):
+            return test, ""
+        lines = test.splitlines()
+        indent = " " * node.body[0].col_offset
+        lines.insert(node.end_lineno, f"{indent}assert exact_match")
+        return "\n".join(lines) + "\n", "added `assert exact_match` to `assertion`, which " \
+            "computed it and asserted nothing"
+    return test, ""
 
 
 def _literal_list(value: object, where: str) -> list[str]:

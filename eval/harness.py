@@ -17,6 +17,7 @@ rewritten.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -34,7 +35,7 @@ from typing import Protocol
 
 from mtp.eval.chat import ChatTemplate
 from mtp.eval.data import Benchmark, DataError, Task, read_jsonl
-from mtp.eval.execution import Execution, TimePolicy, data_paths, prepare
+from mtp.eval.execution import Execution, TimePolicy, prepare
 from mtp.eval.passk import pass_at_k_table
 from mtp.eval.prompts import build_prompt, default_format, extract, is_chat, stop_sequences
 from mtp.eval.sandbox import ExecResult, Isolation, Limits, detect_isolation
@@ -287,8 +288,7 @@ class _Scorer:
         task: Task = self.tasks[record["task_id"]]
         result: ExecResult = self.execution.run(task, record["completion"], self.isolation)
         out = {**record, "passed": result.passed, "outcome": result.outcome,
-               "error": result.error, "duration": round(result.duration, 3),
-               "mode": self.execution.plan(task).mode}
+               "error": result.error, "duration": round(result.duration, 3)}
         if self.log:
             self.log.append(out)
         return out
@@ -337,12 +337,11 @@ def score(
         workers: Parallel sandboxes (default: half the cores).
         limits: Per-sample resource limits, as given (with ``execution`` None).
         isolation: Sandbox method (default: the strongest available).
-        execution: Per-task plans and calibrated limits (:func:`mtp.eval.execution.prepare`);
+        execution: Per-task calibrated limits (:func:`mtp.eval.execution.prepare`);
             None runs every task under its default plan with ``limits``.
 
     Returns:
-        One record per sample, with ``passed``, ``outcome``, ``error``, ``duration`` and
-        ``mode`` (``calls``, or ``shared`` for the tasks whose tests need more than calls).
+        One record per sample, with ``passed``, ``outcome``, ``error`` and ``duration``.
 
     Raises:
         DataError: If ``output_dir`` holds a different completion for a sample being scored.
@@ -350,8 +349,7 @@ def score(
     if (completions is None) == (completer is None):
         raise ValueError("give exactly one of completions and completer")
     isolation = isolation or detect_isolation()
-    execution = execution or Execution(limits or Limits(), None,
-                                       hide=data_paths(benchmark, isolation))
+    execution = execution or Execution(limits or Limits(), None)
     out = Path(output_dir) if output_dir is not None else None
     log = JsonlLog(out / "samples.jsonl") if out else None
     gen_log = JsonlLog(out / "completions.jsonl") if out and completer else None
@@ -444,6 +442,7 @@ def summarize(
         "outcomes": dict(Counter(r["outcome"] for r in results)),
         "prompt_format": prompt_format,
         "data": benchmark.source,
+        "data_repairs": benchmark.repairs,
         "settings": settings,
         "isolation": isolation.to_dict(),
         "network_isolated": isolation.network_isolated,
@@ -522,22 +521,20 @@ def evaluate_completions(
         if fmt == "mbpp-3shot":
             # The shots' answers are in the prompt; scoring those tasks would leak (MBPP+ has them).
             shot_ids = {s.task_id for s in benchmark.shots}
-            benchmark = Benchmark(benchmark.name, [t for t in benchmark.tasks
-                                                   if t.task_id not in shot_ids],
-                                  benchmark.source, benchmark.shots)
+            benchmark = dataclasses.replace(benchmark, tasks=[
+                t for t in benchmark.tasks if t.task_id not in shot_ids])
     else:
         fmt = "external"
     workers = workers or default_workers()
     ids = {r["task_id"] for r in completions} if completions is not None else None
     tasks = [t for t in benchmark.tasks if ids is None or t.task_id in ids]
-    execution = _prepare(tasks, limits or Limits(), policy, isolation, workers, calibration_cache,
-                         data_paths(benchmark, isolation))
+    execution = _prepare(tasks, limits or Limits(), policy, isolation, workers, calibration_cache)
     results = score(benchmark, completions, completer=completer, config=config,
                     output_dir=output_dir, workers=workers, isolation=isolation,
                     execution=execution)
     summary = summarize(benchmark, results, ks, settings=settings or {}, isolation=isolation,
                         prompt_format=fmt, wall_time=time.monotonic() - start,
-                        execution=execution.describe(tasks))
+                        execution=execution.describe(tasks, isolation))
     generation = _generation(completer)
     if generation is not None:
         summary["generation"] = generation
@@ -559,9 +556,9 @@ def _generation(completer: Completer | None) -> dict | None:
 
 
 def _prepare(tasks: list[Task], limits: Limits, policy: TimePolicy | None, isolation: Isolation,
-             workers: int, cache: Path | None, hide: tuple[str, ...]) -> Execution:
+             workers: int, cache: Path | None) -> Execution:
     """`prepare`, with a progress bar for the reference runs it needs."""
     with tqdm(total=len(tasks), desc="reference times", unit="task", file=sys.stderr,
               disable=policy is None or limits.cpu_seconds is not None) as bar:
         return prepare(tasks, base=limits, policy=policy, isolation=isolation, workers=workers,
-                       cache=cache, on_result=lambda task, result: bar.update(), hide=hide)
+                       cache=cache, on_result=lambda task, result: bar.update())

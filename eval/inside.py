@@ -7,15 +7,19 @@ deletes it), sets the resource limits, drops to the sample's uid, and only then 
 untrusted code. Verdicts go to the harness as :mod:`mtp.eval.wire` messages on a pipe of their
 own.
 
-* `serve_candidate`: runs the completion as module ``candidate``, then answers calls that arrive
-  on a pipe, one at a time, with plain data (:mod:`mtp.eval.wire`). It never sees the tests.
+* `serve_candidate`: runs the completion as module ``candidate``, then answers requests that
+  arrive on a pipe, one at a time, with plain data (:mod:`mtp.eval.wire`): calls of the names
+  the tests take from it, and the attributes of the objects the tests hold by reference (the
+  instances of its classes that the tests build, such as MBPP 367's ``Node`` tree). It never
+  sees the tests.
 * `run_tests`: runs a benchmark's tests in a namespace where the names they take from the
-  completion are proxies that call across that pipe. It never runs completion code, only the
-  benchmark's own (the tests, and for HumanEval the prompt's helper functions); every value it
-  gets back is a fresh builtin object. It writes its verdict on its own result pipe.
-* `run_shared`: completion and tests in one interpreter, for tasks whose tests need more than
-  calls (a class the completion defines, say); guarded against the tricks listed in
-  :mod:`mtp.eval.sandbox`, which this design cannot close fully.
+  completion are proxies that call across that pipe (a constant the completion defines
+  crosses as data). It never runs completion code, only the benchmark's own (the tests, and for
+  HumanEval the prompt's helper functions); every value it gets back is a fresh object of its
+  own, and an object held by reference is a handle whose equality is its identity. It writes
+  its verdict on its own result pipe, then waits to be killed, so that the completion's
+  process, which ends when the tests' does, is still there while the harness counts what it
+  left running.
 
 Standard library only: ``mtp`` is not importable in the sandbox.
 """
@@ -25,7 +29,7 @@ import resource
 import sys
 
 if __name__ != "__main__":  # imported as part of mtp; in the sandbox wire's source comes first
-    from mtp.eval.wire import NotPlainData, decode, encode, recv, send
+    from mtp.eval.wire import NotPlainData, ProtocolError, decode, encode, recv, send
 
 
 def _setup(workdir):
@@ -56,35 +60,15 @@ def _cpu_seconds(usage=resource.getrusage, me=resource.RUSAGE_SELF,
     return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
 
 
-def _report(fd, status, detail, **extra):
-    """Send the verdict to the harness and end the process."""
+def _report(fd, status, detail, hold=0.0, **extra):
+    """Send the verdict to the harness, wait up to `hold` seconds for the harness to kill this
+    process, and end it."""
     send(fd, {"status": status, "detail": detail[-2000:], **extra})
+    if hold > 0:
+        import time
+
+        time.sleep(hold)
     os._exit(0 if status == "passed" else 1)
-
-
-def _reap(scope):
-    """Kill and count this sample's other live processes (``all`` in a PID namespace, else those
-    of its ``uid`` or its session)."""
-    me, found = os.getpid(), []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) in (me, 1):
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read().rsplit(")", 1)[1].split()
-            uid = os.stat(f"/proc/{entry}").st_uid
-        except OSError:
-            continue
-        ppid, sid = int(stat[1]), int(stat[3])
-        mine = (scope == "all" or ppid == me or sid == os.getsid(0)
-                or (scope == "uid" and uid == os.getuid()))
-        if mine and stat[0] not in "ZX":
-            found.append(int(entry))
-            try:
-                os.kill(int(entry), 9)
-            except OSError:
-                pass
-    return len(found)
 
 
 def _describe(exc):
@@ -110,7 +94,8 @@ def _describe(exc):
 
 
 def serve_candidate(workdir):
-    """Load the completion, report whether it loaded, then answer calls until the pipe closes."""
+    """Load the completion, report whether it loaded and what the tests' names are in it, then
+    answer requests until the pipe closes."""
     import types
 
     spec = _setup(workdir)
@@ -125,30 +110,62 @@ def serve_candidate(workdir):
     except BaseException as e:
         send(replies, {"raised": _describe(e)})
         os._exit(1)
-    send(replies, {"loaded": True})
     namespace = vars(module)
-    while True:
-        message = recv(calls)
-        if message is None:
-            os._exit(0)
-        if "finish" in message:
-            send(replies, {"done": {"left": _reap(spec["proc_scope"]),
-                                    "cpu": _cpu_seconds()}})
-            continue
-        fn = namespace.get(message["call"])
-        if not callable(fn):
-            send(replies, {"missing": message["call"]})
-            continue
+    objects, numbers = [], {}  # the objects the tests hold by reference, and their numbers
+    names = [n for n in spec["proxied"] if n in namespace]
+    classes = tuple(namespace[n] for n in names if isinstance(namespace[n], type))
+
+    def ref(obj):
+        """The reference number of an instance of a class the tests name."""
+        number = numbers.get(id(obj))
+        if number is None and classes and isinstance(obj, classes):
+            number = numbers[id(obj)] = len(objects)
+            objects.append(obj)
+        return number
+
+    def reply(value):
         try:
-            result = fn(*message["args"], **message["kwargs"])
-        except BaseException as e:
-            send(replies, {"raised": _describe(e)})
-            continue
-        try:
-            send(replies, {"value": result})
+            send(replies, {"value": value}, ref)
         except BaseException as e:  # NotPlainData, or a __len__/__iter__ that raises
             send(replies, {"not_plain": str(e) if isinstance(e, NotPlainData)
                            else f"{type(e).__name__} while encoding the result"})
+
+    values, missing = {}, [n for n in spec["proxied"] if n not in namespace]
+    for name in names:
+        if not callable(namespace[name]):
+            values[name] = namespace[name]
+    try:
+        send(replies, {"loaded": {"missing": missing, "values": values}}, ref)
+    except BaseException as e:
+        send(replies, {"not_plain": str(e) if isinstance(e, NotPlainData)
+                       else f"{type(e).__name__} while encoding a value"})
+        os._exit(1)
+    while True:
+        try:
+            message = recv(calls, objects.__getitem__)
+        except ProtocolError:
+            os._exit(1)
+        if message is None:
+            os._exit(0)
+        if "finish" in message:
+            send(replies, {"done": {"cpu": _cpu_seconds()}})
+            continue
+        try:
+            if "call" in message:
+                fn = namespace.get(message["call"])
+                if not callable(fn):
+                    send(replies, {"missing": message["call"]})
+                    continue
+                result = fn(*message["args"], **message["kwargs"])
+            elif "getattr" in message:
+                result = getattr(objects[message["getattr"]], message["name"])
+            else:
+                setattr(objects[message["setattr"]], message["name"], message["value"])
+                result = None
+        except BaseException as e:
+            send(replies, {"raised": _describe(e)})
+            continue
+        reply(result)
 
 
 class _Broken(BaseException):
@@ -156,7 +173,7 @@ class _Broken(BaseException):
 
 
 def run_tests(workdir):
-    """Run the tests against proxies of the completion's functions; report the verdict."""
+    """Run the tests against proxies of the completion's names; report the verdict."""
     import builtins
 
     spec = _setup(workdir)
@@ -165,18 +182,50 @@ def run_tests(workdir):
         test_code = compile(f.read(), "test.py", "exec", dont_inherit=True, optimize=0)
     with open("helpers.py") as f:
         helpers_code = compile(f.read(), "prompt.py", "exec", dont_inherit=True, optimize=0)
+    os.unlink("test.py")
     broken = []  # the verdict of the first failure of the channel: (status, detail, extras)
+    handles = {}  # reference number -> the tests' handle of that object
+
+    def report(status, detail, **extra):
+        _report(result_fd, status, detail, hold=spec["hold_seconds"], **extra)
 
     def fail(detail, status="failed", **extra):
         if not broken:
             broken.append((status, detail, extra))
         raise _Broken(detail)
 
+    class Remote:
+        """An object of the completion's, held by reference: its attributes are read and set
+        across the pipe; equality and hashing are its identity."""
+
+        __slots__ = ("_number",)
+
+        def __getattr__(self, name):
+            return request({"getattr": object.__getattribute__(self, "_number"), "name": name},
+                           f"reading .{name}", f".{name} is")
+
+        def __setattr__(self, name, value):
+            request({"setattr": object.__getattribute__(self, "_number"), "name": name,
+                     "value": value}, f"setting .{name}", f"setting .{name} gave")
+
+        def __repr__(self):
+            return f"<the completion's object #{object.__getattribute__(self, '_number')}>"
+
+    def resolve(number):
+        if number not in handles:
+            handle = object.__new__(Remote)
+            object.__setattr__(handle, "_number", number)
+            handles[number] = handle
+        return handles[number]
+
+    def ref(obj):
+        return object.__getattribute__(obj, "_number") if type(obj) is Remote else None
+
     def receive(what, expected):
         """The next reply: a dict with one of the `expected` keys, each with a value of its
         type; anything else breaks the channel."""
         try:
-            reply = recv(replies)
+            reply = recv(replies, resolve)
         except Exception as e:  # ProtocolError, OSError
             fail(f"the completion's process sent a bad reply {what}: {e}")
         if reply is None:  # `ended`: the harness then waits to learn how it ended
@@ -202,162 +251,74 @@ def run_tests(workdir):
         except BaseException:
             return Exception(f"{raised['type']}: {raised['message']}")
 
-    call_replies = {"value": None, "raised": dict, "missing": str, "not_plain": str}
+    replies_of = {"value": None, "raised": dict, "missing": str, "not_plain": str}
+
+    def request(message, what, returned):
+        """Send one request and return its value (or raise the completion's exception)."""
+        if broken:
+            raise _Broken(broken[0][1])
+        try:
+            send(calls, message, ref)
+        except NotPlainData as e:  # the task's doing, not the completion's
+            fail(f"the tests pass an argument that cannot cross while {what}: {e}", "error")
+        except OSError:
+            fail(f"the completion's process ended before {what}", ended=True)
+        reply = receive(f"while {what}", replies_of)
+        if "value" in reply:
+            return reply["value"]
+        if "raised" in reply:
+            raise rebuild(reply["raised"])
+        if "missing" in reply:
+            raise NameError(f"name {reply['missing']!r} is not defined by the completion")
+        fail(f"{returned} {reply['not_plain']}")
 
     def proxy(name):
         def call(*args, **kwargs):
-            if broken:
-                raise _Broken(broken[0][1])
-            try:
-                send(calls, {"call": name, "args": args, "kwargs": kwargs})
-            except NotPlainData as e:  # the task's doing, not the completion's
-                fail(f"the tests pass {name} an argument that cannot cross: {e}", "error")
-            except OSError:
-                fail(f"the completion's process ended before a call to {name}", ended=True)
-            reply = receive(f"during a call to {name}", call_replies)
-            if "value" in reply:
-                return reply["value"]
-            if "raised" in reply:
-                raise rebuild(reply["raised"])
-            if "missing" in reply:
-                raise NameError(f"name {name!r} is not defined by the completion")
-            fail(f"{name} returned {reply['not_plain']}")
+            return request({"call": name, "args": args, "kwargs": kwargs}, f"calling {name}",
+                           f"{name} returned")
 
         call.__name__ = call.__qualname__ = name
         return call
 
     try:
-        loaded = receive("while loading the completion", {"loaded": bool, "raised": dict})
+        loaded = receive("while loading the completion",
+                         {"loaded": dict, "raised": dict, "not_plain": str})
         if "raised" in loaded:
             raised = loaded["raised"]
             rebuild(raised)  # checks its fields
-            _report(result_fd, "failed", f"{raised['type']}: {raised['message']}")
+            report("failed", f"{raised['type']}: {raised['message']}")
+        if "not_plain" in loaded:
+            report("failed", f"a name the tests use is {loaded['not_plain']}")
+        missing, values = loaded["loaded"].get("missing"), loaded["loaded"].get("values")
+        if type(missing) is not list or type(values) is not dict:
+            fail("the completion's process described its names badly")
     except _Broken:
-        _report(result_fd, broken[0][0], broken[0][1], **broken[0][2])
+        report(broken[0][0], broken[0][1], **broken[0][2])
     namespace = {"__name__": "__test__"}
     try:
         exec(helpers_code, namespace)
     except BaseException as e:
-        _report(result_fd, "error", f"the task's own helper code raised {type(e).__name__}: {e}")
+        report("error", f"the task's own helper code raised {type(e).__name__}: {e}")
     for name in spec["proxied"]:
-        namespace[name] = proxy(name)
+        if name in values:
+            namespace[name] = values[name]
+        elif name not in missing:
+            namespace[name] = proxy(name)
     try:
         exec(test_code, namespace)
     except _Broken:
         pass
     except BaseException as e:
         if not broken:
-            _report(result_fd, "failed", f"{type(e).__name__}: {e}")
+            report("failed", f"{type(e).__name__}: {e}")
     if broken:
-        _report(result_fd, broken[0][0], broken[0][1], **broken[0][2])
+        report(broken[0][0], broken[0][1], **broken[0][2])
     try:
         send(calls, {"finish": True})
         done = receive("after the tests", {"done": dict})["done"]
     except (_Broken, OSError):
         status, detail, extra = broken[0] if broken else (
             "failed", "the completion's process ended", {"ended": True})
-        _report(result_fd, status, detail, **extra)
-    if done.get("left"):
-        _report(result_fd, "failed", f"left {done['left']} process(es) running")
+        report(status, detail, **extra)
     cpu = done.get("cpu")
-    _report(result_fd, "passed", "", cpu=cpu if type(cpu) is float else None)
-
-
-def run_shared(workdir):
-    """Completion, then tests, in this one interpreter (the tasks that need more than calls)."""
-    import ast
-    import builtins
-    import importlib
-    import types
-
-    spec = _setup(workdir)
-    fd, token, entry_point = spec["result_fd"], spec["token"], spec["entry_point"]
-
-    def finish(status, detail):
-        try:
-            _reap(spec["proc_scope"])
-        finally:
-            _report(fd, status, detail)
-
-    with open("candidate.py") as f:
-        candidate_src = f.read()
-    with open("test.py") as f:
-        test_src = f.read()
-    os.unlink("test.py")
-    test_code = compile(test_src, "test.py", "exec", dont_inherit=True, optimize=0)
-    try:
-        candidate_code = compile(candidate_src, "candidate.py", "exec", dont_inherit=True,
-                                 optimize=0)
-    except BaseException as e:
-        finish("failed", f"{type(e).__name__}: {e}")
-
-    # The modules the tests import, loaded now so a snapshot can prove them untouched later.
-    guarded = {"builtins": builtins}
-    for node in ast.walk(ast.parse(test_src)):
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            names = [node.module]
-        else:
-            continue
-        for name in names:
-            try:
-                importlib.import_module(name)
-            except BaseException:
-                continue  # the test will fail on it in its own words
-            parts = name.split(".")
-            for i in range(1, len(parts) + 1):
-                sub = ".".join(parts[:i])
-                if sub != "sys" and sub in sys.modules:
-                    guarded[sub] = sys.modules[sub]
-    snapshot = {name: dict(vars(mod)) for name, mod in guarded.items()}
-
-    def tampering():
-        for name, mod in guarded.items():
-            if sys.modules.get(name) is not mod:
-                return f"replaced module {name!r}"
-            now = vars(mod)
-            for key, value in snapshot[name].items():
-                if now.get(key, tampering) is not value:
-                    return f"changed {name}.{key}"
-        return ""
-
-    hooked = []
-
-    def audit(event, args):
-        if event in ("sys.settrace", "sys.setprofile"):
-            hooked.append(event)
-
-    sys.addaudithook(audit)
-
-    module = types.ModuleType("candidate")
-    module.__file__ = os.path.join(workdir, "candidate.py")
-    sys.modules["candidate"] = module
-    try:
-        exec(candidate_code, vars(module))
-    except BaseException as e:
-        finish("failed", f"{type(e).__name__}: {e}")
-
-    pristine = snapshot["builtins"]
-    ns = {k: v for k, v in vars(module).items()
-          if not k.startswith("__") and (k not in pristine or k == entry_point)}
-    ns.update(__builtins__=dict(pristine), __name__="__test__")
-    try:
-        exec(test_code, ns)
-    except BaseException as e:
-        finish("failed", f"{type(e).__name__}: {e}")
-
-    if hooked:
-        finish("failed", f"the completion called {hooked[0]}")
-    problem = tampering()
-    if problem:
-        finish("failed", f"the completion tampered with the test environment: {problem}")
-    left = _reap(spec["proc_scope"])
-    if left:
-        finish("failed", f"left {left} process(es) running")
-    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
-        try:
-            stream.flush()
-        except BaseException:
-            pass
-    _report(fd, "passed", "", token=token, cpu=_cpu_seconds())
+    report("passed", "", cpu=cpu if type(cpu) is float else None)

@@ -67,9 +67,9 @@ SECTIONS = (
             "whether the shards are identical."),
     Section("Scoring the HumanEval references in the sandbox",
             ("sandbox", "--rounds", "1"),
-            "Scoring the 164 HumanEval reference solutions with the tests in a process of their "
-            "own (`calls`, the harness's mode) against completion and tests in one interpreter "
-            "(`shared`)."),
+            "Scoring the 164 HumanEval reference solutions under each isolation that works on the "
+            "machine (bubblewrap, unshare, a bare process), completion and tests in processes of "
+            "their own."),
 )
 
 DECODE = Section(

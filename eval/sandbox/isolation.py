@@ -1,21 +1,26 @@
 """Which isolation a sample gets: bubblewrap, unshare or a bare process, found by trying each.
 
 Holds the :class:`Isolation` record, :func:`detect_isolation`, and the command line that wraps a
-sandboxed interpreter (:func:`wrapper_command`): bubblewrap's (read-only root, masked
-directories, private ``/tmp``, new namespaces) or unshare's. The layers themselves are described
-in :mod:`mtp.eval.sandbox`.
+sandboxed interpreter (:func:`wrapper_command`): bubblewrap's or unshare's. Under bubblewrap the
+completion's interpreter sees the filesystem by allow-list (:func:`confined_view`: the system's
+programs and libraries, the interpreter's standard library and `SAMPLE_PACKAGES`, a private
+``/tmp``, its own ``/proc``); the tests' interpreter, trusted, sees the root read-only with
+the directories of secrets masked. The layers themselves are described in
+:mod:`mtp.eval.sandbox`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import glob
+import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import warnings
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -61,6 +66,58 @@ class Isolation:
         return asdict(self)
 
 
+#: The installed packages untrusted code may import besides the standard library: EvalPlus's
+#: tests use numpy, and completions may.
+SAMPLE_PACKAGES = ("numpy",)
+# The system's programs and libraries; a link among them (``/lib -> usr/lib``) stays a link.
+_SYSTEM_DIRS = ("/usr/bin", "/usr/lib", "/usr/lib64", "/usr/libexec", "/bin", "/lib", "/lib32",
+                "/lib64", "/sbin", "/usr/sbin")
+_SYSTEM_FILES = ("/etc/ld.so.cache", "/etc/localtime")
+# Where packages are installed, hidden inside the system's directories (``SAMPLE_PACKAGES``
+# are bound back).
+_PACKAGE_DIRS = ("/usr/lib/python3", "/usr/lib/python3*/*-packages",
+                 "/usr/lib64/python3*/*-packages", "/usr/local/lib/python3*/*-packages")
+
+
+@functools.cache
+def _interpreter_paths() -> dict:
+    """What the sample interpreter is made of, asked of it once: its executable, standard
+    library, shared library and package directories."""
+    code = ("import json, os, site, sys, sysconfig; print(json.dumps({'exe': sys.executable, "
+            "'stdlib': os.path.dirname(os.__file__), 'libdir': sysconfig.get_config_var('LIBDIR')"
+            " or '', 'site': site.getsitepackages()}))")
+    proc = subprocess.run([sample_python(), "-I", "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    try:
+        return json.loads(proc.stdout)
+    except ValueError:
+        raise RuntimeError(f"the sample interpreter {sample_python()} did not describe itself: "
+                           f"{proc.stderr.strip()[-300:]}") from None
+
+
+@functools.cache
+def confined_view() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """What a completion's interpreter sees of the host under bubblewrap, read-only: the paths
+    bound, and the package directories inside them shown empty (all but `SAMPLE_PACKAGES`)."""
+    paths = _interpreter_paths()
+    exe = os.path.realpath(paths["exe"])
+    shown = {d for d in _SYSTEM_DIRS if os.path.lexists(d)}
+    shown |= {f for f in _SYSTEM_FILES if os.path.isfile(f)}
+    shown |= {exe, os.path.realpath(paths["stdlib"])}
+    if paths["libdir"]:
+        shown |= set(glob.glob(os.path.join(paths["libdir"], "libpython*")))
+    masked = {os.path.realpath(d) for pattern in _PACKAGE_DIRS for d in glob.glob(pattern)}
+    masked |= {os.path.realpath(d) for d in paths["site"] if os.path.isdir(d)}
+    for site in paths["site"]:
+        for name in SAMPLE_PACKAGES:
+            shown |= {os.path.realpath(d) for d in (os.path.join(site, name),
+                                                    os.path.join(site, name + ".libs"))
+                      if os.path.isdir(d)}
+    masked = {d for d in masked if any(_is_under(d, s) and d != s for s in shown)
+              and not any(_is_under(d, m) and d != m for m in masked)}
+    return tuple(sorted(shown)), tuple(sorted(masked))
+
+
 _detected: dict[str, Isolation] = {}
 _warned = False
 
@@ -83,34 +140,62 @@ def _is_under(path: str, parent: str) -> bool:
     return path == parent or path.startswith(parent.rstrip("/") + "/")
 
 
-def _hideable(path: str, python_dirs: list[str]) -> bool:
-    """Whether a directory can be hidden from a sample: below the top level, and holding no
-    part of the Python installation (masking `/usr` would leave the interpreter without its
-    libraries)."""
-    return (os.path.isdir(path) and not os.path.islink(path) and path.count("/") >= 2
-            and not any(_is_under(d, path) for d in python_dirs))
+def _dirs_for(path: str, made: set[str]) -> list[str]:
+    """bwrap arguments that make `path`'s missing parents, world-readable (bwrap would make
+    them 0700, closed to the sample's uid)."""
+    out = []
+    for parent in reversed(Path(path).parents):
+        if str(parent) != "/" and str(parent) not in made:
+            made.add(str(parent))
+            out += ["--perms", "0755", "--dir", str(parent)]
+    return out
 
 
-def _bwrap_command(workdir: str, as_root: bool, hide: Sequence[str] = ()) -> list[str]:
-    cmd = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
-    python_dirs = _python_dirs()
-    hidden = sorted({d for d in (os.path.realpath(h) for h in hide) if _hideable(d, python_dirs)})
-    # the outermost only: a directory inside one already hidden (or masked) is hidden with it
-    hidden = [d for d in hidden if not any(_is_under(d, o) and d != o
-                                           for o in [*_MASKED_DIRS, *hidden])]
-    for masked in [*_MASKED_DIRS, *hidden]:
-        if not os.path.isdir(masked) or os.path.islink(masked):
+def _confined_binds() -> list[str]:
+    """bwrap arguments for :func:`confined_view`, on an empty root."""
+    shown, masked = confined_view()
+    made: set[str] = set()
+    out = []
+    for path in shown:  # sorted: a directory comes before what lies inside it
+        if os.path.islink(path) and path in _SYSTEM_DIRS:
+            out += _dirs_for(path, made) + ["--symlink", os.readlink(path), path]
             continue
-        cmd += ["--tmpfs", masked]
-        for d in python_dirs:
-            if _is_under(d, masked) and d != masked:
-                # bwrap would create the missing parents with mode 0700, closed to the sample uid.
-                parents = [str(p) for p in Path(d).parents if _is_under(str(p), masked)]
-                for parent in reversed(parents):
-                    if parent != masked:
-                        cmd += ["--perms", "0755", "--dir", parent]
-                cmd += ["--ro-bind", d, d]
-        cmd += ["--remount-ro", masked]
+        if any(_is_under(path, s) and path != s for s in shown):
+            continue  # in sight with its parent, or bound below a mask of the parent's
+        out += _dirs_for(path, made) + ["--ro-bind", path, path]
+        if path in masked or not os.path.isdir(path):
+            continue
+        for mask in (m for m in masked if _is_under(m, path) and m != path):
+            out += ["--tmpfs", mask]
+            for inner in (i for i in shown if _is_under(i, mask) and i != mask):
+                out += _dirs_for(inner, {mask, *(str(p) for p in Path(mask).parents)})
+                out += ["--ro-bind", inner, inner]
+            out += ["--remount-ro", mask]
+    return out
+
+
+def _bwrap_command(workdir: str, as_root: bool, confined: bool = False) -> list[str]:
+    cmd = ["bwrap"]
+    if confined:
+        cmd += _confined_binds()
+    else:
+        cmd += ["--ro-bind", "/", "/"]
+        python_dirs = _python_dirs()
+        for masked in _MASKED_DIRS:
+            if not os.path.isdir(masked) or os.path.islink(masked):
+                continue
+            cmd += ["--tmpfs", masked]
+            for d in python_dirs:
+                if _is_under(d, masked) and d != masked:
+                    # bwrap would create the missing parents with mode 0700, closed to the
+                    # sample uid.
+                    parents = [str(p) for p in Path(d).parents if _is_under(str(p), masked)]
+                    for parent in reversed(parents):
+                        if parent != masked:
+                            cmd += ["--perms", "0755", "--dir", parent]
+                    cmd += ["--ro-bind", d, d]
+            cmd += ["--remount-ro", masked]
+    cmd += ["--dev", "/dev", "--proc", "/proc"]
     cmd += ["--bind", workdir, "/tmp", "--chdir", "/tmp", "--setenv", "HOME", "/tmp",
             "--setenv", "TMPDIR", "/tmp"]
     cmd += ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
@@ -134,11 +219,12 @@ def _unshare_command() -> list[str]:
     return cmd + ["--"]
 
 
-def wrapper_command(isolation: Isolation, workdir: str, hide: Sequence[str] = ()) -> list[str]:
+def wrapper_command(isolation: Isolation, workdir: str, confined: bool = False) -> list[str]:
     """The command line a sandboxed interpreter's own follows: bubblewrap's (`workdir` mounted at
-    ``/tmp``, the directories in `hide` shown empty), unshare's, or none for a bare process."""
+    ``/tmp``; `confined`: the allow-list view of :func:`confined_view`, for untrusted code),
+    unshare's, or none for a bare process."""
     if isolation.method == "bwrap":
-        return _bwrap_command(workdir, os.geteuid() == 0, hide)
+        return _bwrap_command(workdir, os.geteuid() == 0, confined)
     if isolation.method == "unshare":
         return _unshare_command()
     return []

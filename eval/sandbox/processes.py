@@ -17,7 +17,6 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 from mtp.eval import wire
@@ -26,6 +25,47 @@ from mtp.eval.sandbox.limits import Limits, join_cgroup_command
 
 # Per-sample uids are drawn from a range that no distribution allocates to real users.
 _UID_RANGE = (2_000_000_000, 2_100_000_000)
+_TICKS = os.sysconf("SC_CLK_TCK")
+# The programs that wrap a sample's interpreter (`wrapper_command`).
+_WRAPPERS = ("bwrap", "unshare")
+
+
+def _processes() -> dict[int, tuple[int, str, int, int]]:
+    """Every process: pid -> (parent pid, state, CPU clock ticks of its own and of the children
+    it reaped, start time)."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            table[int(entry)] = (int(fields[1]), fields[0], sum(map(int, fields[11:15])),
+                                 int(fields[19]))
+        except (OSError, IndexError, ValueError):
+            continue
+    return table
+
+
+def _subtree(root: int, table: dict[int, tuple[int, str, int, int]]) -> list[int]:
+    """`root` and its descendants in `table`."""
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, *_) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        if pid in table:
+            out.append(pid)
+            todo += children.get(pid, [])
+    return out
+
+
+def _executable(pid: int) -> str:
+    try:
+        return os.path.basename(os.readlink(f"/proc/{pid}/exe"))
+    except OSError:
+        return ""
 
 
 def _kill_leftovers(owners: list[tuple[int | None, int, str]]) -> None:
@@ -137,12 +177,14 @@ class SandboxedProcess:
     """One sandboxed interpreter of a sample, running an entry point of :mod:`mtp.eval.inside`.
 
     It gets its own directory (``/tmp`` inside bwrap), its own uid where the isolation gives
-    fresh uids, its orders in ``.orders``, and only the pipe ends named in `fds`.
+    fresh uids, its orders in ``.orders``, and only the pipe ends named in `fds`; `confined`,
+    the view of the filesystem that :func:`~mtp.eval.sandbox.isolation.wrapper_command` gives
+    untrusted code.
     """
 
     def __init__(self, base: str, name: str, entry: str, files: dict[str, str], orders: dict,
                  fds: tuple[int, ...], rlimits: dict, limits: Limits, isolation: Isolation,
-                 cgroup: Path | None = None, hide: Sequence[str] = ()) -> None:
+                 cgroup: Path | None = None, confined: bool = False) -> None:
         self.tag = "mtp-sample-" + secrets.token_hex(8)
         self.uid = secrets.choice(range(*_UID_RANGE)) if isolation.fresh_uid else None
         self.workdir = os.path.join(base, name)
@@ -150,9 +192,7 @@ class SandboxedProcess:
         os.mkdir(self.workdir, 0o700)
         if self.uid is not None:
             os.chown(self.workdir, self.uid, self.uid)
-        scope = "all" if isolation.pid_namespace else ("uid" if self.uid is not None
-                                                       else "session")
-        orders = {**orders, "rlimits": rlimits, "uid": self.uid, "proc_scope": scope}
+        orders = {**orders, "rlimits": rlimits, "uid": self.uid}
         files = {".orders": wire.encode(orders), ".program": _program(entry),
                  **{name: text.encode("utf-8", "surrogatepass") for name, text in files.items()}}
         for file, data in files.items():
@@ -160,7 +200,7 @@ class SandboxedProcess:
                 f.write(data)
             if self.uid is not None:
                 os.chown(os.path.join(self.workdir, file), self.uid, self.uid)
-        prefix = wrapper_command(isolation, self.workdir, hide)
+        prefix = wrapper_command(isolation, self.workdir, confined)
         if cgroup is not None:
             prefix = join_cgroup_command(cgroup) + prefix
         inner = "/tmp" if isolation.method == "bwrap" else self.workdir
@@ -176,16 +216,66 @@ class SandboxedProcess:
         """Wait up to `timeout` s for the process to end, leaving it unreaped; True if it did."""
         return _wait_unreaped(self.proc.pid, max(0.0, timeout))
 
+    def alive(self) -> bool:
+        """Whether the process is still running."""
+        return not self.wait(0)
+
+    def cpu_seconds(self) -> float:
+        """CPU seconds of every process in the sandbox, its own and those of the children each
+        has reaped: what a per-process limit misses in a sample that forks."""
+        table = _processes()
+        return sum(table[p][2] for p in _subtree(self.proc.pid, table)) / _TICKS
+
+    def left_running(self) -> int:
+        """How many processes the sandbox holds besides the wrappers and the interpreter.
+
+        Counted from ``/proc`` here, not by the sample: the interpreter is the first child of
+        the last wrapper (bubblewrap's or unshare's process), found from their executables, which
+        the sample cannot change without ending itself."""
+        table = _processes()
+        chain = [self.proc.pid]
+        while _executable(chain[-1]) in _WRAPPERS:
+            children = [p for p in table if table[p][0] == chain[-1]]
+            if not children:
+                break
+            chain.append(min(children, key=lambda p: table[p][3]))
+        return sum(table[p][1] not in "ZX" for p in _subtree(self.proc.pid, table)
+                   if p not in chain)
+
     def output(self, limit: int) -> str:
         with open(self.out_path, "rb") as f:
             f.seek(max(0, os.path.getsize(self.out_path) - limit))
             return f.read().decode(errors="replace")
 
 
+def _stop_trees(roots: list[int]) -> set[int]:
+    """Stop (SIGSTOP) `roots` and all their descendants, scanning until none is left running:
+    a stopped process cannot fork, and its children stay in the tree until it is killed."""
+    stopped: set[int] = set()
+    for _ in range(100):
+        table = _processes()
+        pids = {p for r in roots for p in _subtree(r, table)} - stopped
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGSTOP)
+            except OSError:
+                pass
+        stopped |= pids
+    return stopped
+
+
 def kill_all(procs: list[SandboxedProcess]) -> list[int]:
     """Kill the processes and everything they started; their exit statuses."""
     # Unreaped until now, their pids (the sessions' ids) cannot have been reused, so the
-    # clean-up cannot hit a stranger.
+    # clean-up cannot hit a stranger. The trees are stopped first: a process killed before its
+    # children would leave them to the host's init, out of reach of the tree.
+    for pid in _stop_trees([p.proc.pid for p in procs]):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
     for p in procs:
         try:
             os.killpg(p.proc.pid, signal.SIGKILL)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 import secrets
+import select
 import signal
 import tempfile
 import time
@@ -37,6 +38,12 @@ class ExecResult:
     only trustworthy for trusted code: the time limits are calibrated on reference solutions."""
 
 
+VERDICTS = ("passed", "failed", "error")
+"""The statuses of a verdict on the tests' channel."""
+_POLL_SECONDS = 0.25
+"""How often the wait for a verdict reads the CPU time of the completion's processes."""
+
+
 def _read_all(fd: int) -> bytes:
     os.set_blocking(fd, False)
     data = b""
@@ -60,6 +67,31 @@ def _death(returncode: int, isolation: Isolation) -> str:
         return f"signal {sig}"
 
 
+def _wait_for_verdict(result_r: int, judge: SandboxedProcess, sample: SandboxedProcess,
+                      deadline: float, cpu_limit: int) -> tuple[list[dict], str]:
+    """Read the tests' channel until it holds a verdict or ends, watching the CPU time of every
+    process of the completion's sandbox. The messages read, and why the wait stopped early
+    (``timeout``, ``cpu``) or ''."""
+    channel, over = b"", 0
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return wire.messages(channel), "timeout"
+        if select.select([result_r], [], [], min(_POLL_SECONDS, left))[0]:
+            chunk = os.read(result_r, 1 << 16)
+            channel += chunk
+            found = wire.messages(channel)
+            if not chunk or (found and found[-1].get("status") in VERDICTS):
+                return found, ""
+        # Two readings in a row over the limit: a child reaped between the reads of its own
+        # and its parent's line can be counted twice in one.
+        over = over + 1 if sample.cpu_seconds() > cpu_limit else 0
+        if over >= 2:
+            return wire.messages(channel), "cpu"
+        if not judge.alive():
+            return wire.messages(channel + _read_all(result_r)), ""
+
+
 def run_program(
     candidate: str,
     test: str,
@@ -67,15 +99,13 @@ def run_program(
     entry_point: str = "",
     proxied: Sequence[str] | None = None,
     helpers: str = "",
-    shared: bool = False,
     limits: Limits | None = None,
     isolation: Isolation | None = None,
-    hide: Sequence[str] = (),
 ) -> ExecResult:
     """Run one sample in fresh sandboxed interpreters and report whether its tests passed.
 
-    By default completion and tests run in two processes (see :mod:`mtp.eval.sandbox`); the
-    verdict is the tests' report, read here with both processes' exit statuses.
+    Completion and tests run in two processes (see :mod:`mtp.eval.sandbox`); the verdict is
+    the tests' report, read here with the completion's exit status and what its sandbox holds.
 
     Args:
         candidate: Untrusted program (for HumanEval: prompt + completion; for MBPP: the
@@ -83,24 +113,21 @@ def run_program(
             are skipped.
         test: Trusted test program; it must raise if the sample is wrong.
         entry_point: The function the tests call.
-        proxied: The names the tests take from the completion, each a function called across
-            the pipe (default: the entry point).
+        proxied: The names the tests take from the completion: functions and classes are
+            called across the pipe, constants cross as data (default: the entry point).
         helpers: Trusted code run before the tests in their namespace (HumanEval's prompt, whose
             helper functions some tests call); the completion cannot replace them.
-        shared: Run the completion and the tests in one interpreter instead, with the tests in a
-            namespace holding the candidate's globals and untouched builtins (for tasks whose
-            tests need more than calls).
         limits: Resource limits (defaults: :class:`Limits`).
         isolation: From :func:`detect_isolation` (default: the strongest available).
-        hide: Directories the completion's sandbox shows empty (bwrap only): where the
-            benchmark's data lies, so that a completion cannot look its answers up.
 
     Returns:
-        The result; ``passed`` only if the tests ran to the end.
+        The result; ``passed`` only if the tests ran to the end and the completion left no
+        process running.
     """
     limits = limits or Limits()
     isolation = isolation or detect_isolation()
     cpu = limits.cpu_seconds or limits.timeout
+    names = list(proxied if proxied is not None else [entry_point])
     base = tempfile.mkdtemp(prefix="mtp-sbx-")
     pipes: list[int] = []
     procs: list[SandboxedProcess] = []
@@ -108,44 +135,36 @@ def run_program(
     start = time.monotonic()
     try:
         result_r, result_w = os.pipe()
-        pipes += [result_r, result_w]
+        calls_r, calls_w = os.pipe()  # tests -> completion
+        replies_r, replies_w = os.pipe()  # completion -> tests
+        pipes += [result_r, result_w, calls_r, calls_w, replies_r, replies_w]
         cgroup = memory_cgroups().create("mtp-" + secrets.token_hex(8), limits.memory_bytes)
-        if shared:
-            token = secrets.token_hex(16)
-            procs.append(SandboxedProcess(
-                base, "sample", "run_shared", {"candidate.py": candidate, "test.py": test},
-                {"result_fd": result_w, "token": token, "entry_point": entry_point},
-                (result_w,), rlimits(limits, cpu, isolation.process_limit), limits, isolation,
-                cgroup, hide))
-        else:
-            calls_r, calls_w = os.pipe()  # tests -> completion
-            replies_r, replies_w = os.pipe()  # completion -> tests
-            pipes += [calls_r, calls_w, replies_r, replies_w]
-            procs.append(SandboxedProcess(
-                base, "candidate", "serve_candidate", {"candidate.py": candidate},
-                {"calls_fd": calls_r, "replies_fd": replies_w}, (calls_r, replies_w),
-                rlimits(limits, cpu, isolation.process_limit), limits, isolation, cgroup, hide))
-            procs.append(SandboxedProcess(
-                base, "tests", "run_tests", {"test.py": test, "helpers.py": helpers},
-                {"calls_fd": calls_w, "replies_fd": replies_r, "result_fd": result_w,
-                 "proxied": list(proxied if proxied is not None else [entry_point])},
-                (calls_w, replies_r, result_w),
-                # the tests' own process: no CPU limit below the wall clock's
-                rlimits(limits, limits.timeout, isolation.process_limit), limits, isolation))
+        procs.append(SandboxedProcess(
+            base, "candidate", "serve_candidate", {"candidate.py": candidate},
+            {"calls_fd": calls_r, "replies_fd": replies_w, "proxied": names}, (calls_r, replies_w),
+            rlimits(limits, cpu, isolation.process_limit), limits, isolation, cgroup,
+            confined=True))
+        procs.append(SandboxedProcess(
+            base, "tests", "run_tests", {"test.py": test, "helpers.py": helpers},
+            {"calls_fd": calls_w, "replies_fd": replies_r, "result_fd": result_w,
+             "proxied": names, "hold_seconds": limits.timeout},
+            (calls_w, replies_r, result_w),
+            # the tests' own process: no CPU limit below the wall clock's
+            rlimits(limits, limits.timeout, isolation.process_limit), limits, isolation))
         for fd in pipes[1:]:  # the children hold their ends now
             os.close(fd)
         pipes = pipes[:1]
-        judge = procs[-1]  # the process whose report is the verdict
-        timed_out = not judge.wait(start + limits.timeout - time.monotonic())
-        channel = _read_all(result_r)
-        found = wire.messages(channel)
+        sample, judge = procs
+        found, stopped = _wait_for_verdict(result_r, judge, sample, start + limits.timeout,
+                                           math.ceil(cpu))
         # The tests saw the completion's process end: wait (briefly) to learn how, from its
         # exit status (the outer sandbox process may trail its child by a moment).
         ended = bool(found) and found[-1].get("ended") is True
-        candidate_ended = procs[0].wait(5.0 if ended and not timed_out else 0)
+        candidate_ended = sample.wait(5.0 if ended and not stopped else 0)
+        left = sample.left_running() if found and found[-1].get("status") == "passed" else 0
         statuses = kill_all(procs)  # whatever happened, nothing of the sample survives
         duration = time.monotonic() - start
-        output = "".join(p.output(limits.output_bytes) for p in procs[:1])[-limits.output_bytes:]
+        output = sample.output(limits.output_bytes)
     except OSError as e:
         kill_all(procs)
         return ExecResult(False, "error", f"could not run the sample: {e}",
@@ -158,25 +177,24 @@ def run_program(
 
     tag = procs[0].tag
     death = _death(statuses[0], isolation) if candidate_ended else ""
-    if timed_out:
+    if stopped == "timeout":
         return ExecResult(False, "timeout", f"timed out after {limits.timeout:g} s", duration,
                           output, tag)
-    if death == "SIGXCPU":
-        return ExecResult(False, "timeout", f"used more than {math.ceil(cpu)} s of CPU",
+    if death == "SIGXCPU" or stopped == "cpu":
+        where = "" if death == "SIGXCPU" else " across its processes"
+        return ExecResult(False, "timeout", f"used more than {math.ceil(cpu)} s of CPU{where}",
                           duration, output, tag)
-    # The last message on the channel is the verdict; in shared mode the completion shares the
-    # channel, so a pass must also carry the token it never saw.
-    verdict = found[-1] if found and found[-1].get("status") in ("passed", "failed", "error") \
-        else None
-    passed = (verdict is not None and verdict["status"] == "passed" and statuses[-1] == 0
-              and (not shared or verdict.get("token") == token))
-    if passed:
+    verdict = found[-1] if found and found[-1].get("status") in VERDICTS else None
+    if verdict is not None and verdict["status"] == "passed":
+        if left:
+            return ExecResult(False, "failed", f"left {left} process(es) running", duration,
+                              output, tag)
         cpu = verdict.get("cpu")
         return ExecResult(True, "passed", "", duration, output, tag,
                           cpu if type(cpu) is float else None)
-    if verdict is not None and verdict["status"] in ("failed", "error"):
+    if verdict is not None:
         why = str(verdict.get("detail", ""))
-        if death and not shared:
+        if death:
             why += f" (the completion's process was killed by {death})"
         return ExecResult(False, verdict["status"], why, duration, output, tag)
     death = _death(statuses[-1], isolation)

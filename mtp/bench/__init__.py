@@ -10,7 +10,7 @@ train     time of a whole training step (forward, backward, AdamW) at matched pa
 kernel    the fused linear cross-entropy alone against the alternatives.
 decode    the decoders over a prompt set.
 tokenize  tokenising a local corpus with 1 and 2 worker processes.
-sandbox   scoring reference solutions with tests in their own process or beside the completion.
+sandbox   scoring reference solutions under each isolation (bubblewrap, unshare, a bare process).
 
 Every table is printed and appended to a CSV whose rows carry the command that made them, the
 hardware, versions and git revision (`mtp.bench.report`). This module only parses the command
@@ -39,7 +39,7 @@ _BENCHMARKS = {
     "kernel": "the fused linear cross-entropy alone against the alternatives",
     "decode": "speed and acceptance of every decoder over a prompt set, against greedy",
     "tokenize": "tokenising a local corpus over worker counts: bytes/s and peak memory",
-    "sandbox": "scoring reference solutions, tests in their own process vs beside the completion",
+    "sandbox": "scoring reference solutions under each isolation that works here",
 }
 
 
