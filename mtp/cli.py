@@ -14,7 +14,7 @@ COMMANDS = {
     "generate": "decode from a checkpoint with any decoder",
     "eval": "HumanEval / MBPP: generate or score completions, pass@k",
     "bench": "benchmarks: loss | train | kernel | decode | tokenize | sandbox",
-    "export": "write a checkpoint as a transformers directory (`mtp export hf`)",
+    "export": "write a checkpoint for transformers (`export hf`) or vLLM Medusa (`export medusa`)",
     "distill": "a self-distillation corpus: the model's own answers to coding requests",
     "lm-eval": "EleutherAI's lm-evaluation-harness with the `mtp` model (`--model mtp`)",
 }
@@ -94,24 +94,34 @@ def _dispatch(argv: list[str]) -> int:
 
 
 def _export(argv: list[str]) -> int:
-    """`mtp export hf --ckpt CKPT --output DIR` (`mtp.hf`)."""
+    """`mtp export hf --ckpt CKPT --output DIR` (`mtp.hf`) and `mtp export medusa --ckpt CKPT
+    --output DIR` (`mtp.medusa`)."""
     import argparse
     from pathlib import Path
 
     parser = argparse.ArgumentParser(prog="mtp export", description="Write a checkpoint in "
-                                     "another library's layout (see `mtp.hf`).")
+                                     "another library's layout (see `mtp.hf`, `mtp.medusa`).")
     sub = parser.add_subparsers(dest="format", required=True)
-    p = sub.add_parser("hf", help="a transformers LlamaForCausalLM directory (head 1), with the "
-                                  "other heads beside it")
-    p.add_argument("--ckpt", required=True, help="mtp checkpoint (or exported directory)")
-    p.add_argument("--output", required=True, type=Path, help="new directory to write")
+    helps = {"hf": "a transformers LlamaForCausalLM directory (head 1), with the other heads "
+                   "beside it",
+             "medusa": "heads 2..K of a --model.head_type medusa1 checkpoint as vLLM's Medusa "
+                       "draft model (vLLM head j is mtp head j + 2)"}
+    for name, text in helps.items():
+        p = sub.add_parser(name, help=text)
+        p.add_argument("--ckpt", required=True, help="mtp checkpoint (or exported directory)")
+        p.add_argument("--output", required=True, type=Path, help="new directory to write")
     args = parser.parse_args(argv)
     from mtp.checkpoint import load_checkpoint
-    from mtp.hf import MTP_HEADS, ExportError, export
+    from mtp.hf import MTP_HEADS, ExportError, export, llama_layers
 
     try:
         model, tokenizer = load_checkpoint(args.ckpt)
-        out = export(model, tokenizer, args.output)
+        if args.format == "medusa":
+            from mtp import medusa
+
+            out = medusa.export(model, args.output)
+        else:
+            out = export(model, tokenizer, args.output)
     except (ExportError, FileNotFoundError, ValueError) as e:
         print(f"mtp export: error: {e}", file=sys.stderr)
         return 2
@@ -120,7 +130,11 @@ def _export(argv: list[str]) -> int:
               "was written", file=sys.stderr)
         return 2
     n = model.cfg.n_future
-    print(f"wrote {out}: LlamaForCausalLM of {model.cfg.n_trunk_layers + 1} layers (head 1)"
+    if args.format == "medusa":
+        print(f"wrote {out}: vLLM Medusa heads 0..{n - 2} (mtp heads 2..{n}); serve with "
+              f"speculative_config method medusa, model {out}, num_speculative_tokens <= {n - 1}")
+        return 0
+    print(f"wrote {out}: LlamaForCausalLM of {llama_layers(model.cfg)} layers (head 1)"
           + (f", heads 2..{n} in {MTP_HEADS}" if n > 1 else ""))
     return 0
 

@@ -119,15 +119,17 @@ class ModelConfig:
     """Key/value heads for grouped-query attention (None: same as `n_heads`)."""
     n_future: int = 4
     """K: number of output heads; head i (1-based) predicts the token i positions ahead."""
-    head_type: Literal["block", "linear", "medusa", "deepseek"] = "block"
+    head_type: Literal["block", "linear", "medusa", "medusa1", "deepseek"] = "block"
     """Output heads (`mtp.heads`): a transformer block each (the paper's default), a linear d x d
-    map each, Medusa's residual block h + SiLU(W h) each, or DeepSeek-V3's chain of MTP modules
-    (head i reads head i - 1's output and the token it predicts)."""
+    map each, Medusa's residual block h + SiLU(W h) each, Medusa-1 as vLLM serves it (head 1
+    the main model's output, heads 2..K residual blocks z + SiLU(W z + b) on the normalised trunk
+    output z, no norm after; `mtp export medusa`), or DeepSeek-V3's chain of MTP modules (head i
+    reads head i - 1's output and the token it predicts)."""
     matched_params: bool = False
     """Keep the blocks of trunk and heads at `n_layers + 1` for every K by moving K - 1 trunk
     blocks into the heads (Gloeckle et al.), so a sweep over K compares equal parameter counts.
     For `block` heads exactly; for `deepseek` heads up to each module's 2d x d projection and two
-    norm gains. `linear` and `medusa` heads hold no block to move."""
+    norm gains. `linear`, `medusa` and `medusa1` heads hold no block to move."""
     max_seq_len: int = 256
     """Longest context the rotary tables and KV cache are built for."""
     ffn_hidden: int | None = None

@@ -103,7 +103,7 @@ def heads_loss(model: MTPTransformer, h: torch.Tensor, targets: torch.Tensor,
     for i in range(1, K):
         out = model.head_output(i, x, rope, tokens=targets[i - 1])
         x = out if model.chained else h
-        z, W = model.norm(out).flatten(0, 1), model.head_unembed(i)
+        z, W = model.head_norm(out).flatten(0, 1), model.head_unembed(i)
         t = model.head_targets(i, targets[i]).flatten()
         loss = linear_cross_entropy(z, W, t, ignore_index=IGNORE_INDEX)
         total = total + weights[i] * loss

@@ -1,4 +1,4 @@
-"""The output heads: what head i makes of the trunk output before the shared norm and unembedding.
+"""The output heads: what head i makes of the trunk output before the unembedding.
 
 `--model.head_type` picks one design for all K heads (head i, 1-based, predicts the token i
 positions ahead):
@@ -8,6 +8,11 @@ positions ahead):
 - `linear`: a d x d map of h per head, the cheapest head with a weight of its own.
 - `medusa` (Cai et al. 2024): a residual block h + SiLU(W_i h) per head. W_i starts at zero, so
   every head starts as the identity, as Medusa initialises its heads.
+- `medusa1`: Medusa-1 as published and as vLLM serves it (`mtp export medusa`, `mtp.medusa`).
+  Head 1 is the main model's own output; head i > 1 is a residual block z + SiLU(W_i z + b_i)
+  on the normalised trunk output z = norm(h), with no norm after it: unlike every other type,
+  the shared norm comes before the heads (`MTPTransformer.head_input`), not after
+  (`MTPTransformer.head_norm`). W_i and b_i start at zero, so every head starts as head 1.
 - `deepseek` (DeepSeek-V3's MTP modules): heads in a chain. Head 1 is the main model's output
   itself; the trunk carries the one block more that `block` gives head 1, so with K = 1 both are
   the same model. Head i > 1 at position t reads head i - 1's output at t and the embedding of
@@ -16,8 +21,9 @@ positions ahead):
   feeds the true tokens (teacher forcing); drafting feeds each head the token drafted by the one
   before (`mtp.decoding.chained`).
 
-Parallel heads are called as head(h, cos, sin, kv, slots, mask), chained ones as
-head(x, emb, cos, sin, kv, slots, mask): x is head i - 1's output, emb the embedded tokens.
+Parallel heads are called as head(h, cos, sin, kv, slots, mask) (`PRE_NORM` types: norm(h)),
+chained ones as head(x, emb, cos, sin, kv, slots, mask): x is head i - 1's output, emb the
+embedded tokens.
 """
 
 from __future__ import annotations
@@ -30,11 +36,14 @@ from mtp.layers import Block, RMSNorm
 
 __all__ = [
     "CHAINED", "DeepSeekModule", "HEAD_TYPES", "LinearHead", "MainOutput", "MedusaHead",
-    "build_heads", "head_cache_layers",
+    "PRE_NORM", "build_heads", "head_cache_layers",
 ]
 
 #: Head types whose head i reads head i - 1's output and the token it predicts.
 CHAINED = ("deepseek",)
+#: Head types that read the trunk output after the shared norm, their outputs the normalised
+#: hidden states themselves (no norm after the head).
+PRE_NORM = ("medusa1",)
 
 
 class LinearHead(nn.Module):
@@ -50,22 +59,25 @@ class LinearHead(nn.Module):
 
 
 class MedusaHead(nn.Module):
-    """Medusa's residual block x + SiLU(W x), W zero at initialisation (`reset_parameters`)."""
+    """Medusa's residual block x + SiLU(W x + b), W (and b, with `bias`: `medusa1`) zero at
+    initialisation (`reset_parameters`)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, bias: bool = False) -> None:
         super().__init__()
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=bias)
 
     def reset_parameters(self) -> None:
         nn.init.zeros_(self.proj.weight)
+        if self.proj.bias is not None:
+            nn.init.zeros_(self.proj.bias)
 
     def forward(self, x, cos, sin, kv=None, slots=None, mask=None) -> torch.Tensor:
         return x + nn.functional.silu(self.proj(x))
 
 
 class MainOutput(nn.Module):
-    """Head 1 of the `deepseek` type: the trunk output as it is (the main model's last block is
-    the trunk's own)."""
+    """Head 1 of the `deepseek` and `medusa1` types: the trunk output as it is (the main model's
+    last block is the trunk's own)."""
 
     def forward(self, x, cos, sin, kv=None, slots=None, mask=None) -> torch.Tensor:
         return x
@@ -93,7 +105,9 @@ def _head(cfg: ModelConfig, i: int) -> nn.Module:
         return LinearHead(cfg)
     if cfg.head_type == "medusa":
         return MedusaHead(cfg)
-    return MainOutput() if i == 0 else DeepSeekModule(cfg)
+    if i == 0:
+        return MainOutput()
+    return MedusaHead(cfg, bias=True) if cfg.head_type == "medusa1" else DeepSeekModule(cfg)
 
 
 def build_heads(cfg: ModelConfig) -> nn.ModuleList:

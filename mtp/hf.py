@@ -4,7 +4,10 @@
 
 * ``config.json`` and ``model.safetensors``: a `LlamaForCausalLM` of ``n_trunk_layers + 1``
   layers, the trunk blocks then head 1's block, with the shared final norm and unembedding, so
-  its logits are head 1's. The conversion is exact: the fused ``qkv`` and ``gate_up`` maps are
+  its logits are head 1's (`medusa1` heads: of ``n_trunk_layers`` layers, head 1 being the
+  trunk's own output; its final normalised hidden state is then what heads 2..K read, as
+  vLLM's Medusa drafter reads the target's, `mtp.medusa`). The conversion is exact: the fused
+  ``qkv`` and ``gate_up`` maps are
   split into Llama's projections, and the query and key rows of each attention head are
   reordered from mtp's rotary layout (channels 2i, 2i+1 rotate together) to Llama's (channels i,
   i + hd/2), which leaves every attention score unchanged.
@@ -21,11 +24,13 @@ reader this layout is for. A model the Llama layout cannot hold exactly is refus
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -61,11 +66,17 @@ def _from_llama_rows(w: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tens
 
 
 def _check_exportable(cfg: ModelConfig) -> None:
-    if cfg.head_type != "block":
+    if cfg.head_type not in ("block", "medusa1"):
         raise ExportError(
             f"--model.head_type {cfg.head_type}: the export writes head 1 as the "
-            f"LlamaForCausalLM's last layer and heads 2..K as the same kind of block, which "
-            f"only block heads are")
+            f"LlamaForCausalLM's last layer (or, for medusa1 heads, as the trunk's own output "
+            f"after the final norm), which only block and medusa1 heads are")
+
+
+def llama_layers(cfg: ModelConfig) -> int:
+    """Layers of the exported `LlamaForCausalLM`: the trunk's, and head 1's block if it has
+    one (`block` heads; `medusa1`'s head 1 is the trunk output itself)."""
+    return cfg.n_trunk_layers + (cfg.head_type == "block")
 
 
 def llama_config(cfg: ModelConfig, tokenizer: Tokenizer, dtype: torch.dtype) -> dict:
@@ -84,7 +95,7 @@ def llama_config(cfg: ModelConfig, tokenizer: Tokenizer, dtype: torch.dtype) -> 
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
         "intermediate_size": cfg.ffn_dim,
-        "num_hidden_layers": cfg.n_trunk_layers + 1,
+        "num_hidden_layers": llama_layers(cfg),
         "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.kv_heads,
         "hidden_act": "silu",
@@ -127,12 +138,14 @@ def _layer_to_llama(block: torch.nn.Module, cfg: ModelConfig, prefix: str) -> di
 
 
 def llama_state(model: MTPTransformer) -> dict[str, torch.Tensor]:
-    """The `LlamaForCausalLM` weights of head 1 (trunk, head 1's block, norm, unembedding)."""
+    """The `LlamaForCausalLM` weights of head 1 (trunk, head 1's block if it has one, norm,
+    unembedding)."""
     cfg = model.cfg
     _check_exportable(cfg)
     state = {"model.embed_tokens.weight": model.embed.weight.detach(),
              "model.norm.weight": model.norm.weight.detach()}
-    for i, block in enumerate([*model.blocks, model.heads[0]]):
+    layers = [*model.blocks, *model.heads[:1]][:llama_layers(cfg)]
+    for i, block in enumerate(layers):
         state.update(_layer_to_llama(block, cfg, f"model.layers.{i}"))
     if not cfg.tie_embeddings:  # tied: transformers ties lm_head to the embedding itself
         state["lm_head.weight"] = model.unembed.weight.detach()
@@ -183,9 +196,7 @@ def export(model: MTPTransformer, tokenizer: Tokenizer, output: str | os.PathLik
     from mtp.vocab import check_vocab, eot_id
 
     output = Path(output)
-    if output.exists() and not (output.is_dir() and not any(output.iterdir())):
-        raise ExportError(f"--output {output} exists and is not an empty directory; nothing "
-                          f"was written (choose a new directory)")
+    check_new_directory(output)
     cfg = model.cfg
     check_vocab(tokenizer, cfg, source="the checkpoint")
     state = llama_state(model)
@@ -195,9 +206,7 @@ def export(model: MTPTransformer, tokenizer: Tokenizer, output: str | os.PathLik
     if cfg.draft_vocab:
         heads["draft_ids"] = model.draft_ids.detach().contiguous()
     dtype = model.embed.weight.dtype
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
-    try:
+    with new_directory(output) as tmp:
         save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
         if heads:
             save_file(heads, tmp / MTP_HEADS, metadata={"format": "pt"})
@@ -218,6 +227,34 @@ def export(model: MTPTransformer, tokenizer: Tokenizer, output: str | os.PathLik
         _write_json(tmp / MTP_CONFIG, {"format_version": FORMAT_VERSION,
                                        "model_config": dataclasses.asdict(cfg),
                                        DIGESTS: digests})
+    return output
+
+
+def check_new_directory(output: Path) -> None:
+    """Refuse an `--output` that exists and is not an empty directory.
+
+    Raises:
+        ExportError: If it does (a file, or a directory with something in it).
+    """
+    if output.exists() and not (output.is_dir() and not any(output.iterdir())):
+        raise ExportError(f"--output {output} exists and is not an empty directory; nothing "
+                          f"was written (choose a new directory)")
+
+
+@contextlib.contextmanager
+def new_directory(output: Path) -> Iterator[Path]:
+    """A temporary directory beside `output` to write an export into: when the block ends
+    cleanly its files are fsynced and it is renamed to `output` (`mtp.atomic.rename`), so an
+    interrupted export leaves nothing under that name; if the block raises it is removed.
+
+    Raises:
+        ExportError: If `output` exists and is not an empty directory.
+    """
+    check_new_directory(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+    try:
+        yield tmp
         for f in tmp.iterdir():
             fsync_file(f)
         if output.exists():
@@ -226,7 +263,6 @@ def export(model: MTPTransformer, tokenizer: Tokenizer, output: str | os.PathLik
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return output
 
 
 def is_export(path: str | os.PathLike) -> bool:
@@ -281,7 +317,7 @@ def load_export(path: str | os.PathLike) -> tuple[MTPTransformer, Tokenizer]:
     state = {"embed.weight": llama["model.embed_tokens.weight"],
              "norm.weight": llama["model.norm.weight"],
              "unembed.weight": llama.get("lm_head.weight", llama["model.embed_tokens.weight"])}
-    for i in range(cfg.n_trunk_layers + 1):
+    for i in range(llama_layers(cfg)):
         into = f"blocks.{i}" if i < cfg.n_trunk_layers else "heads.0"
         layer = _layer_from_llama(llama, cfg, f"model.layers.{i}")
         state.update({f"{into}.{k}": v for k, v in layer.items()})
@@ -312,7 +348,8 @@ def pretrained_config(path: str | os.PathLike, cfg: ModelConfig) -> ModelConfig:
     """The model config of `--model.init_from PATH`: the shape of the transformers checkpoint
     directory or GGUF file at `path`, with `cfg`'s K, head type, context length and
     initialisation scale. With `block` heads its ``n - 1`` first layers are the trunk and its
-    last is head 1; with `deepseek`, `medusa` and `linear` heads all ``n`` layers are the trunk
+    last is head 1; with `deepseek`, `medusa`, `medusa1` and `linear` heads all ``n`` layers are
+    the trunk
     (`init_from_pretrained` makes head 1 the identity where the head type has weights).
 
     Raises:
@@ -358,7 +395,7 @@ def pretrained_config(path: str | os.PathLike, cfg: ModelConfig) -> ModelConfig:
         raise ExportError(f"--model.init_from {path}: {n_layers} layer; a trunk and head 1 "
                           f"need 2 at least")
     # n_layers counts the trunk and head 1's block: `deepseek` moves that block into the trunk
-    # (ModelConfig.n_trunk_layers), `medusa` and `linear` heads hold none
+    # (ModelConfig.n_trunk_layers), `medusa`, `medusa1` and `linear` heads hold none
     in_head = cfg.head_type in ("block", "deepseek")
     return dataclasses.replace(
         cfg, vocab_size=hf["vocab_size"], d_model=d, n_layers=n_layers - in_head, n_heads=n_heads,
@@ -495,7 +532,9 @@ def init_from_pretrained(model: MTPTransformer) -> None:
     so at first every head predicts as head 1 does, and training moves each to its offset.
     With the trunk holding every layer, `medusa` heads start as the identity (their zero
     initialisation) and `linear` heads as the identity matrix, so every head again predicts as
-    head 1; the block of each `deepseek` module 2..K starts as a copy of the last layer.
+    head 1; `medusa1`'s head 1 is the pretrained model itself and its heads 2..K start as the
+    identity (Medusa-1 exactly); the block of each `deepseek` module 2..K starts as a copy of
+    the last layer.
     """
     cfg = model.cfg
     path = Path(cfg.init_from)
@@ -518,7 +557,7 @@ def init_from_pretrained(model: MTPTransformer) -> None:
     missing, unexpected = model.load_state_dict(state, strict=False)
     # the draft vocabulary is set from the training data; medusa heads keep their zero weights,
     # a deepseek module its projection and norms
-    own = cfg.head_type in ("medusa", "deepseek")
+    own = cfg.head_type in ("medusa", "medusa1", "deepseek")
     missing = [k for k in missing if k != "draft_ids" and not (own and k.startswith("heads."))]
     if missing or unexpected:
         raise ExportError(f"--model.init_from {path}: weights do not fit (missing "

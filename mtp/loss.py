@@ -51,7 +51,7 @@ def greedy_predictions(model: MTPTransformer, h: torch.Tensor,
                        rope: tuple[torch.Tensor, torch.Tensor], chunk: int = 4096) -> torch.Tensor:
     """Head 1's argmax (B, T) at every position of the trunk output h (B, T, d), over at most
     `chunk` positions at a time, so no logits of the whole batch are held."""
-    z = model.norm(model.head_output(0, h, rope)).flatten(0, 1)  # (B * T, d)
+    z = model.head_norm(model.head_output(0, h, rope)).flatten(0, 1)  # (B * T, d)
     return torch.cat([model.unembed(part).argmax(-1) for part in z.split(chunk)]) \
         .view(h.shape[0], -1)
 
@@ -206,7 +206,7 @@ def _head_step(model, i, run_head, x, rope, targets, weights, fwd_bwd, with_accu
     """
     W, Wi = model.unembed.weight, model.head_unembed(i)  # Wi: W or its draft-vocabulary rows
     out = model.head_output(i, x, rope, tokens=targets[i - 1] if i else None, run=run_head)
-    z = model.norm(out)  # (B, T, d)
+    z = model.head_norm(out)  # (B, T, d)
     t = model.head_targets(i, targets[i]).flatten()
     gWi = grads[W] if Wi is W else torch.zeros_like(Wi, dtype=grads[W].dtype)
     loss, dz = fwd_bwd(z.detach().flatten(0, 1), Wi.detach(), t, gWi, scale=weights[i],

@@ -2,8 +2,10 @@
 
 A shared trunk of `n_trunk_layers` blocks feeds K output heads (`mtp.heads`); head i (1-based)
 predicts the token i positions ahead (Gloeckle et al. 2024). All heads share one final RMSNorm
-and one unembedding W (V x d). With K = 1 and block or deepseek heads this is exactly a standard
-next-token transformer of `n_layers + 1` blocks. The layers are in `mtp.layers`.
+and one unembedding W (V x d); the norm follows each head, except for `medusa1` heads, which read
+the normalised trunk output (Medusa-1's layout). With K = 1 and block or deepseek heads this is
+exactly a standard next-token transformer of `n_layers + 1` blocks, with medusa1 heads one of
+`n_layers` blocks. The layers are in `mtp.layers`.
 
 Dimension names: B batch, T new tokens, S cached slots, d width, V vocabulary, K heads,
 H attention heads, Hkv key/value heads, hd head width.
@@ -19,7 +21,7 @@ import torch
 from torch import nn
 
 from mtp.config import MODEL_REGISTRY, ModelConfig
-from mtp.heads import CHAINED, build_heads, head_cache_layers
+from mtp.heads import CHAINED, PRE_NORM, build_heads, head_cache_layers
 from mtp.layers import Attention, Block, RMSNorm, rope_tables
 
 T_out = TypeVar("T_out")
@@ -87,8 +89,8 @@ class MTPTransformer(nn.Module):
     - `trunk`: the trunk output h (B, T, d) and the rotary tables; the decode loop's cached
       forward (`mtp.decoding.engine`) and the frozen trunk of heads-only training
       (`mtp.frozen`).
-    - `head_output`: one head's output (B, T, d) before the shared norm (`norm` of it is the
-      head's normalised state); for callers that run a head on its own: in `mtp.loss`,
+    - `head_output`: one head's output (B, T, d) (`head_norm` of it is the head's normalised
+      state); for callers that run a head on its own: in `mtp.loss`,
       `sequential_mtp_loss` (one head at a time, an FSDP head gathered) and
       `greedy_predictions`; `mtp.frozen.heads_loss`; in `mtp.decoding`, head 1 of every
       forward and the chained-heads drafter, which feeds each output to the next head.
@@ -107,6 +109,7 @@ class MTPTransformer(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_trunk_layers))
         self.heads = build_heads(cfg)
         self.chained = cfg.head_type in CHAINED  # head i reads head i - 1's output
+        self.pre_norm = cfg.head_type in PRE_NORM  # the shared norm before the heads, not after
         self.head_layers = head_cache_layers(cfg)
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.unembed = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
@@ -196,11 +199,12 @@ class MTPTransformer(nn.Module):
         mask: torch.Tensor | None = None,
         run: Callable[..., torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Head i's output (B, T, d) before the shared norm (0-based i: predicts token t + i + 1).
+        """Head i's output (B, T, d) (0-based i: predicts token t + i + 1), which `head_norm`
+        turns into its normalised hidden state.
 
         Args:
-            x: the trunk output h (B, T, d); for chained heads (`deepseek`), head i - 1's output
-                (h for head 0).
+            x: the trunk output h (B, T, d), which the head reads as `head_input(x)`; for chained
+                heads (`deepseek`), head i - 1's output (h for head 0).
             tokens: chained heads from i = 1 on: the ids (B, T) of the token at offset i, the one
                 head i - 1 predicts (the data's when training, a draft when drafting).
             run: the head's callable (default the head module; the sequential loss passes the
@@ -215,7 +219,18 @@ class MTPTransformer(nn.Module):
                                  f"at offset {i}: pass `tokens`")
             # an ignored target (-100) is read as token 0; its own prediction is never scored
             return run(x, self.embed(tokens.clamp(min=0)), *rope, kv, slots, mask)
-        return run(x, *rope, kv, slots, mask)
+        return run(self.head_input(x), *rope, kv, slots, mask)
+
+    def head_input(self, h: torch.Tensor) -> torch.Tensor:
+        """What parallel heads read of the trunk output h (..., d): h itself, or for the heads
+        that read the normalised trunk output (`medusa1`) the shared norm of it."""
+        return self.norm(h) if self.pre_norm else h
+
+    def head_norm(self, out: torch.Tensor) -> torch.Tensor:
+        """A head's normalised hidden state (..., d), the unembedding's input, from its output:
+        the shared norm of it, or for heads that read the normalised trunk output (`medusa1`)
+        the output itself."""
+        return out if self.pre_norm else self.norm(out)
 
     def head_unembed(self, i: int) -> torch.Tensor:
         """The unembedding rows head i (0-based) predicts over: W (V, d), or for heads 2..K with
@@ -264,7 +279,7 @@ class MTPTransformer(nn.Module):
                                    tokens=None if tokens is None or i == 0 else tokens[i - 1],
                                    cache=cache, slots=slots, mask=mask)
             x = out
-            yield self.norm(out)
+            yield self.head_norm(out)
 
     def forward(
         self,

@@ -50,7 +50,7 @@ def _model(head_type: str, K: int = 3, V: int = 61, n: int = 17) -> MTPTransform
     return model
 
 
-@pytest.mark.parametrize("head_type", ["block", "medusa", "deepseek"])
+@pytest.mark.parametrize("head_type", ["block", "medusa", "medusa1", "deepseek"])
 def test_losses_and_gradients_over_the_draft_vocabulary(head_type):
     model = _model(head_type)
     V, ids = model.cfg.vocab_size, model.draft_ids
@@ -101,7 +101,7 @@ def test_losses_and_gradients_over_the_draft_vocabulary(head_type):
     assert model.unembed.weight.grad[ids].abs().max() > 0
 
 
-@pytest.mark.parametrize("head_type", ["block", "deepseek"])
+@pytest.mark.parametrize("head_type", ["block", "medusa1", "deepseek"])
 @pytest.mark.parametrize(("decoder", "kwargs"), [("self-spec", {}), ("tree", {}),
                                                  ("tree", {"tree": Tree.from_widths([3, 2, 1])})])
 def test_speculative_greedy_equals_greedy_with_a_draft_vocabulary(head_type, decoder, kwargs):

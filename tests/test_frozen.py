@@ -29,7 +29,7 @@ def _head_grads(model, loss) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-@pytest.mark.parametrize("head_type", ["block", "medusa", "deepseek"])
+@pytest.mark.parametrize("head_type", ["block", "medusa", "medusa1", "deepseek"])
 @pytest.mark.parametrize("targets", ["data", "self", "greedy"])
 @pytest.mark.parametrize("draft_vocab", [0, 40])
 def test_heads_loss_equals_the_sequential_pass(head_type, targets, draft_vocab):

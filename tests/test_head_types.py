@@ -25,7 +25,7 @@ from mtp.decoding import Tree, chained, generate
 
 torch.set_num_threads(1)
 
-OTHER_TYPES = ["linear", "medusa", "deepseek"]
+OTHER_TYPES = ["linear", "medusa", "medusa1", "deepseek"]
 DECODERS = [
     ("self-spec", {}),
     ("tree", {}),

@@ -89,6 +89,36 @@ def test_tokenizer_and_greedy_generation_agree_with_transformers(tmp_path, token
     assert out[0, len(prompt):].tolist() == ours[0]
 
 
+def test_medusa1_head_1_is_the_trunk_and_heads_2_to_k_read_back(tmp_path, tokenizer):
+    """medusa1's head 1 is the trunk's own output: the Llama holds the trunk's layers alone, its
+    logits are head 1's and its last hidden state (after the final norm) is what heads 2..K
+    read; the heads, biases included, read back bit for bit."""
+    model = _model(4, head_type="medusa1")
+    with torch.no_grad():  # heads away from their zero start (the biases are set by _model)
+        for head in model.heads[1:]:
+            head.proj.weight.normal_(0, 0.1)
+    out = export(model, tokenizer, tmp_path / "hf")
+    config = json.loads((out / "config.json").read_text())
+    assert config["num_hidden_layers"] == model.cfg.n_trunk_layers == 2
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.randint(0, 320, (3, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = hf(ids).logits
+        last = hf.model(ids).last_hidden_state  # (B, T, d), after the final norm
+        want = model(ids)  # (K, B, T, V)
+        z = model.norm(model.trunk(ids)[0])
+    assert (logits - want[0]).norm() / want[0].norm() <= 1e-5
+    torch.testing.assert_close(last, z, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        for i in (1, 2, 3):  # head i + 1 from the Llama's last hidden state
+            x = last + torch.nn.functional.silu(model.heads[i].proj(last))
+            torch.testing.assert_close(model.unembed(x), want[i], rtol=1e-5, atol=1e-5)
+    back, _ = load_checkpoint(out)
+    assert back.cfg == model.cfg
+    for name, w in model.state_dict().items():
+        assert torch.equal(back.state_dict()[name], w), name
+
+
 def test_bad_exports_are_refused_and_nothing_is_overwritten(tmp_path, tokenizer):
     for head_type in ("linear", "medusa", "deepseek"):
         with pytest.raises(ExportError, match=f"--model.head_type {head_type}: .* only block"):

@@ -91,10 +91,11 @@ def test_head_1_is_the_pretrained_model_before_training(tmp_path, tokenizer, kin
         torch.testing.assert_close(ours[k], ours[0], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("head_type", ["medusa", "linear", "deepseek"])
+@pytest.mark.parametrize("head_type", ["medusa", "medusa1", "linear", "deepseek"])
 def test_every_head_type_starts_from_the_pretrained_model(tmp_path, tokenizer, head_type):
     """The trunk holds every pretrained layer; head 1 is the identity where it has weights (so
-    its logits are the pretrained model's), and medusa and linear heads 2..K start as head 1."""
+    its logits are the pretrained model's), and medusa, medusa1 and linear heads 2..K start as
+    head 1."""
     path = _pretrained(tmp_path, tokenizer)
     cfg = pretrained_config(path, ModelConfig(n_future=3, max_seq_len=64, head_type=head_type))
     assert cfg.n_trunk_layers == 3

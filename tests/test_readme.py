@@ -142,9 +142,11 @@ def placeholders(tmp_path_factory) -> dict[str, str]:
     d = tmp_path_factory.mktemp("readme")
     tok = train_tokenizer(["def fib(n):\n    return n\n"] * 20, 300, 10**6)
     out = {}
-    for name, k in (("CKPT", 4), ("SMALL_K1_CKPT", 1)):
+    for name, k, heads in (("CKPT", 4, "block"), ("SMALL_K1_CKPT", 1, "block"),
+                           ("MEDUSA1_CKPT", 4, "medusa1")):
         torch.manual_seed(k)
-        cfg = ModelConfig.from_name("debug", vocab_size=320, n_future=k, max_seq_len=64)
+        cfg = ModelConfig.from_name("debug", vocab_size=320, n_future=k, max_seq_len=64,
+                                    head_type=heads)
         out[name] = str(d / f"{name}.ckpt")
         save_checkpoint(out[name], MTPTransformer(cfg), tok)
     task = load_benchmark("mbpp", MBPP_FILE).tasks[0]

@@ -130,7 +130,7 @@ class ChainedHeads(Drafter):
     def _children(self, ctx: Context, hidden: torch.Tensor, width: int):
         """Children of nodes with depth outputs `hidden` (B, T, d): their top-`width` tokens
         (B, T, width), and for a sampled chain the draws' distribution (B, T, V)."""
-        logits = self.model.draft_logits(self.model.norm(hidden), self.rows)
+        logits = self.model.draft_logits(self.model.head_norm(hidden), self.rows)
         if self.tree is not None:
             return logits.topk(width, dim=-1).indices, None
         if ctx.sampling.greedy:

@@ -139,7 +139,8 @@ def forward(
     """
     slots = cache.lengths[:, None] + torch.arange(tokens.shape[1], device=tokens.device)
     h, rope = model.trunk(tokens, positions=positions, cache=cache, slots=slots, mask=mask)
-    return model.norm(model.head_output(0, h, rope, cache=cache, slots=slots, mask=mask)), (h, rope)
+    hidden = model.head_norm(model.head_output(0, h, rope, cache=cache, slots=slots, mask=mask))
+    return hidden, (h, rope)
 
 
 def prefill(model: MTPTransformer, cache: KVCache,

@@ -100,8 +100,9 @@ class StackedHeads:
         if self.cached:
             layers = slice(self.first_layer, self.first_layer + self.n)
             kv = (cache.k[layers], cache.v[layers])
-        x = self.stacked(h.expand(self.n, *h.shape), *rope, kv, slots, mask)
-        return self.model.norm(x)
+        x = self.model.head_input(h)  # the heads' input, once for all of them
+        return self.model.head_norm(self.stacked(x.expand(self.n, *x.shape), *rope, kv, slots,
+                                                 mask))
 
     def logits(self, z: torch.Tensor) -> torch.Tensor:
         """Draft logits (..., V) of normalised head states z (..., d)."""
