@@ -27,7 +27,7 @@ _LONG_RUN = re.compile("|".join(f"{kind}{{{LONGEST_WORD},}}"
                                 for kind in (r"[^\W\d_]", r"\d", r"(?:[^\w\s]|_)", r"\s")))
 
 
-def _pieces(text: str) -> Iterator[str]:
+def split_long_runs(text: str) -> Iterator[str]:
     """`text`, cut inside each run longer than `LONGEST_WORD` into runs of that length."""
     start = 0
     for run in _LONG_RUN.finditer(text):
@@ -59,7 +59,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, max_bytes: int,
             if seen >= max_bytes:
                 return
             seen += len(text)
-            yield from _pieces(text)
+            yield from split_long_runs(text)
 
     tok.train_from_iterator(sample(), trainer=trainer)
     return tok
