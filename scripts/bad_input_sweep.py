@@ -51,7 +51,8 @@ def fixtures(root: Path, data: Path) -> dict[str, str]:
 
     tok = train_tokenizer(["def add(a, b):\n    return a + b\n"] * 20, 300, 10**6)
     paths = {}
-    for name, k, head_type in (("K4", 4, "block"), ("K1", 1, "block"), ("DS4", 4, "deepseek")):
+    for name, k, head_type in (("K4", 4, "block"), ("K1", 1, "block"), ("DS4", 4, "deepseek"),
+                               ("M4", 4, "medusa1")):
         torch.manual_seed(k)
         cfg = ModelConfig.from_name("debug", vocab_size=320, n_future=k, max_seq_len=64,
                                     head_type=head_type)
