@@ -13,13 +13,16 @@ frequent answer before it compares any K.
 
 Results are appended to `<out>/results.csv` as runs finish (a rerun skips finished runs);
 `<out>/README.md` and the PNG plots are regenerated from the CSV at the end (or alone, with
-`--report-only`).
+`--report-only`). A preset gives `steps`, or `tokens_per_param` (each width trains on that many
+tokens per parameter of its K = 1 model); `--estimate` prints what a GPU preset's runs cost
+(tokens per parameter, power, time on one H200; `experiments/budget.py`) and trains nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -27,6 +30,8 @@ if __package__ in (None, ""):  # run as a script, `python experiments/<study>.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments.common import (  # noqa: E402 (a script puts the repository on the path first)
+    NOT_RECORDED,
+    Recorded,
     ResultsCSV,
     column,
     command_line,
@@ -40,22 +45,31 @@ from experiments.common import (  # noqa: E402 (a script puts the repository on 
     markdown_table,
     per_seed,
     pm,
+    preset_settings,
     provenance,
     provenance_line,
+    settings_line,
     single_thread,
+    steps_line,
     study_main,
     summarize,
     to_float,
+    trained_here,
 )
 from experiments.stats import Family, finding, why_untestable  # noqa: E402
 from mtp.config import InputError  # noqa: E402
 
 COLUMNS = ["d_model", "K", "seed", "params", "head1_depth", "steps", "acc_in", "acc_out",
            "coef_acc_in", "coef_acc_out", "acc_by_ops", "floor_in", "floor_out", "curve",
-           "train_s", "git", "environment", "utc"]
+           "train_s", "git", "environment", "utc", "fit_git", "fit_cpu", "cpu", "settings"]
 """One row per run. `floor_*` is the exact-match accuracy of always giving the training
-distribution's most frequent answer; `curve` is [[step, in-distribution exact match], ...]."""
+distribution's most frequent answer; `curve` is [[step, in-distribution exact match], ...]. A
+run trains and is scored in one call, so `fit_git` / `fit_cpu` (what trained it) equal `git` /
+`cpu` (what scored it); `settings` (JSON) is the preset it ran with, but for its plan
+(`PLAN`)."""
 KEY = ["d_model", "K", "seed"]
+#: Preset keys that say which runs to make (a row's own columns say which run it is).
+PLAN = ("sizes", "ks", "seeds")
 
 
 def _task(preset: dict):
@@ -66,7 +80,16 @@ def _task(preset: dict):
     return PolynomialTask(**t)
 
 
-def _model_config(preset: dict, d: int, k: int):
+def train_steps(preset: dict, d: int) -> int:
+    """Training steps at width d: the preset's `steps`, or those its `tokens_per_param` gives
+    the K = 1 model of that width (every K trains as long)."""
+    from experiments.budget import model_shape, preset_steps
+
+    return preset_steps(preset, model_shape(model_config(preset, d, 1),
+                                            preset["seq_len"]).params)
+
+
+def model_config(preset: dict, d: int, k: int):
     from mtp.config import ModelConfig
 
     return ModelConfig(vocab_size=_task(preset).vocab_size, d_model=d,
@@ -120,19 +143,22 @@ def one_run(preset: dict, d: int, k: int, seed: int) -> dict:
         return _mean(arithmetic_accuracy(model, task, n, n_examples=preset["probe_examples"],
                                          seed=20_000)[0] for n in ins)
 
-    trained = train_model(task, _model_config(preset, d, k),
+    n_steps = train_steps(preset, d)
+    trained = train_model(task, model_config(preset, d, k),
                           OptimConfig(lr=preset["lr"], warmup_steps=preset["warmup_steps"]),
                           seq_len=preset["seq_len"], batch_size=preset["batch_size"],
-                          steps=preset["steps"], seed=seed,
-                          accelerator=preset.get("accelerator", "cpu"), probe=probe,
+                          steps=n_steps, seed=seed, accelerator=preset.get("accelerator", "cpu"),
+                          precision=preset.get("precision", "32-true"),
+                          data_workers=preset.get("data_workers", 0), probe=probe,
                           probe_every=preset["probe_every"])
     by_ops = {n: arithmetic_accuracy(trained.model, task, n, n_examples=preset["eval_examples"])
               for n in preset["eval_ops"]}
     answer = majority_answer(task)
     floor = {n: majority_accuracy(task, n, n_examples=preset["eval_examples"], answer=answer)
              for n in preset["eval_ops"]}
+    prov = provenance()
     return {"d_model": d, "K": k, "seed": seed, "params": trained.model.num_params(),
-            "head1_depth": head1_depth(trained.model), "steps": preset["steps"],
+            "head1_depth": head1_depth(trained.model), "steps": n_steps,
             "acc_in": _mean(by_ops[n][0] for n in ins),
             "acc_out": _mean(by_ops[n][0] for n in outs),
             "coef_acc_in": _mean(by_ops[n][1] for n in ins),
@@ -140,22 +166,26 @@ def one_run(preset: dict, d: int, k: int, seed: int) -> dict:
             "acc_by_ops": json.dumps({n: round(v[0], 4) for n, v in by_ops.items()}),
             "floor_in": _mean(floor[n] for n in ins), "floor_out": _mean(floor[n] for n in outs),
             "curve": json.dumps([[s, round(v, 4)] for s, v in trained.curve]),
-            "train_s": trained.seconds, **provenance()}
+            "train_s": trained.seconds, **prov, **trained_here(prov),
+            "settings": json.dumps(preset_settings(preset, PLAN))}
 
 
-def report(out: Path, preset: dict, command: str) -> str:
-    """Write `<out>/README.md` and the PNG plots from `<out>/results.csv`."""
+def report(out: Path, command: str) -> str:
+    """Write `<out>/README.md` and the PNG plots from `<out>/results.csv` alone: the settings
+    it describes are those the rows recorded."""
     rows = ResultsCSV(out / "results.csv", COLUMNS, KEY).rows()
     if not rows:
         raise InputError(f"no results in {out / 'results.csv'} (run the study without "
                          "--report-only first)")
-    task = _task(preset)
-    lo, hi = task.train_ops
+    recorded = Recorded(rows)
+    train_ops = recorded.get("task", "train_ops")
+    trained_on = "–".join(map(str, train_ops)) if train_ops else recorded.text("task", "train_ops")
     by = group(rows, ["d_model", "K"])
     sizes = sorted({int(r["d_model"]) for r in rows})
     ks = sorted({int(r["K"]) for r in rows})
     floor = {s: to_float(rows[0][f"floor_{s}"]) for s in ("in", "out")}
-    ood = [n for n in preset["eval_ops"] if not lo <= n <= hi]
+    p, m = recorded.get("task", "p"), recorded.get("task", "m")
+    uniform = f"{p ** -m:.3f}" if p and m else NOT_RECORDED
 
     for d in sizes:
         series = {}
@@ -168,7 +198,8 @@ def report(out: Path, preset: dict, command: str) -> str:
             stats = [summarize(p[str(n)] for p in per) for n in ops]
             series[f"K = {k}"] = (ops, [s["mean"] for s in stats], [s["std"] for s in stats])
         errorbar_plot(out / f"accuracy_by_ops_d{d}.png", series,
-                      xlabel=f"operations (training: {lo}–{hi})", ylabel="exact-match accuracy",
+                      xlabel=f"operations (training: {trained_on})",
+                      ylabel="exact-match accuracy",
                       title=f"Polynomial arithmetic, d_model = {d}")
         curve_plot(out / f"curves_d{d}.png",
                    {f"K = {k}": [json.loads(r["curve"]) for r in by.get((str(d), str(k)), [])]
@@ -194,25 +225,30 @@ def report(out: Path, preset: dict, command: str) -> str:
         "",
         f"```\n{command}\n```",
         "",
-        f"Preset `{preset['_path']}`. Task: expressions over F_{task.p}[X]/(X^{task.m}) in "
-        "prefix notation with +, * and unary negation, then `=` and the "
-        f"{task.m} coefficients of the result; training expressions have {lo}–{hi} operations "
-        f"(in distribution), evaluation also uses {', '.join(map(str, ood))} operations (out of "
-        f"distribution). Windows of {preset['seq_len']} tokens hold examples packed back to "
-        "back; the loss covers every token (operands are random, so most of it is "
-        f"irreducible). Batch {preset['batch_size']}, {preset['steps']} steps, lr "
-        f"{preset['lr']}. Every K keeps the K = 1 model's {preset['n_layers']}-block trunk, so "
+        "Task: expressions over F_p[X]/(X^m) (`task.p`, `task.m`) in prefix notation with +, * "
+        "and unary negation, then `=` and the m coefficients of the result; training "
+        "expressions have `task.train_ops` operations (in distribution), evaluation also uses "
+        "more (out of distribution; the plots give every operation count scored). Windows of "
+        "`seq_len` tokens hold examples packed back to back; the loss covers every token "
+        "(operands are random, so most of it is irreducible). Every K keeps the K = 1 model's "
+        "trunk (`n_layers` blocks), so "
         "head 1's path (depth in the table) and its parameters are the same for every K and a "
         "difference in head-1 accuracy is the training objective's, not lost depth; the "
         "K − 1 extra heads are parameters only training uses (hence the larger totals). "
-        f"Accuracy: exact match of all {task.m} answer coefficients by head-1 argmax "
-        "(teacher-forced, which equals greedy decoding for exact match), "
-        f"{preset['eval_examples']} held-out examples per operation count, the same for every "
-        "run; 'coef' is the per-coefficient accuracy. Floor: always giving the training "
-        "distribution's most frequent answer scores "
+        "Accuracy: exact match of all m answer coefficients by head-1 argmax "
+        "(teacher-forced, which equals greedy decoding for exact match), `eval_examples` "
+        "held-out examples per operation count, the same for every run; 'coef' is the "
+        "per-coefficient accuracy. Floor: always giving the training distribution's most "
+        "frequent answer scores "
         f"{floor['in']:.3f} in and {floor['out']:.3f} out of distribution on these examples "
-        f"(uniform guessing: {task.p ** -task.m:.3f}). Cells: mean ± sample std over seeds, "
-        "then the per-seed values.",
+        f"(uniform guessing: {uniform}). Cells: mean ± sample std over seeds, then the "
+        "per-seed values.",
+        "",
+        settings_line(recorded, ["preset", "task.p", "task.m", "task.train_ops",
+                                 "task.neg_prob", "eval_ops", "seq_len", "batch_size", "lr",
+                                 "warmup_steps", "n_layers", "head_dim", "tokens_per_param",
+                                 "precision", "eval_examples", "probe_examples", "probe_every"])
+        + " " + steps_line(rows, "d_model"),
         "",
         markdown_table(["d_model", "params", "head-1 depth", "K", "exact in-dist",
                         "per seed", "exact out-of-dist", "per seed", "coef in-dist", "seeds"],
@@ -291,6 +327,65 @@ def findings(by: dict, sizes: list[int], ks: list[int], floor: dict[str, float])
     return out
 
 
+def planned_tests(sizes: list[int], ks: list[int]) -> int:
+    """The m of `findings` for a complete study: per size and split, each K against the floor
+    and, with a K = 1 baseline, it against a perfect score and each K > 1 against it."""
+    base = int(1 in ks)
+    return len(sizes) * len(SPLITS) * (len(ks) + base * (1 + len([k for k in ks if k > 1])))
+
+
+def _example_tokens(task, n_ops: int | None, n: int = 64) -> float:
+    """Mean tokens of the task's examples of `n_ops` operations (None: the training mix), over
+    a fixed sample."""
+    import numpy as np
+
+    return _mean(len(task.example(np.random.default_rng([7, i]), n_ops)[0]) for i in range(n))
+
+
+def estimate_plan(preset: dict, costs):
+    """What the preset's runs cost apart from the device (`experiments.budget`): per size and
+    K, the FLOPs of training and of scoring (probes and the final evaluation), and host
+    seconds (setup, each optimizer step, generating every token trained on or scored, the
+    majority-answer floor)."""
+    from experiments import budget
+
+    if preset.get("accelerator", "cpu") == "cpu":
+        raise InputError(f"--estimate times a GPU preset; {preset['_path']} trains on the CPU "
+                         "(accelerator: cpu)")
+    task, seq, batch = _task(preset), preset["seq_len"], preset["batch_size"]
+    lo, hi = task.train_ops
+    length = {n: _example_tokens(task, n) for n in preset["eval_ops"]}
+    ins = [n for n in preset["eval_ops"] if lo <= n <= hi]
+    generate = costs.generate_s_per_token["arithmetic"]
+    # training windows come from `data_workers` processes beside the step (none: in its loop)
+    workers = preset.get("data_workers", 0)
+    runs = []
+    for d in preset["sizes"]:
+        n_steps = train_steps(preset, d)
+        every = preset["probe_every"]
+        probes = n_steps // every + bool(n_steps % every)  # and at the last step
+        scored = (probes * preset["probe_examples"] * sum(length[n] for n in ins)
+                  + preset["eval_examples"] * sum(length.values()))
+        forwards = (probes * len(ins) * math.ceil(preset["probe_examples"] / 128)
+                    + len(length) * math.ceil(preset["eval_examples"] / 128))
+        # the floor: the most frequent of 20 000 training answers, then every evaluation example
+        floor = 20_000 * _example_tokens(task, None) + preset["eval_examples"] * sum(
+            length.values())
+        for k in preset["ks"]:
+            shape = budget.model_shape(model_config(preset, d, k), seq)
+            tokens = n_steps * batch * seq
+            host = (costs.synthetic_run_s + n_steps * costs.step(shape.blocks)
+                    + generate * (n_steps * batch * (seq + k) / max(1, workers) + scored + floor)
+                    + forwards * costs.forward(shape.blocks))
+            runs.append(budget.RunCost(f"d={d} K={k}", len(preset["seeds"]), shape.params,
+                                       tokens, n_steps,
+                                       shape.flops_per_token * (tokens + scored / 3), host,
+                                       str(preset.get("precision", "32-true"))))
+    return budget.Plan(preset["_path"], runs, {"process start": costs.start_s},
+                       len(preset["seeds"]), planned_tests(preset["sizes"], preset["ks"]),
+                       preset.get("tokens_per_param"))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="cpu", help="`cpu`, `gpu` or a YAML path")
@@ -301,6 +396,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=1,
                         help="runs trained side by side, one CPU thread each")
     parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--estimate", action="store_true",
+                        help="print a GPU preset's runs, tokens per parameter, seeds against "
+                             "power and time on one H200 by the FLOP model plus measured host "
+                             "costs (experiments/budget.py); trains nothing")
     args = parser.parse_args(argv)
     if args.jobs < 1:
         raise InputError(f"--jobs must be >= 1 (got {args.jobs})")
@@ -308,9 +407,14 @@ def main(argv: list[str] | None = None) -> int:
     preset = load_preset("arithmetic", args.preset)
     if args.seeds:
         preset["seeds"] = [int(s) for s in args.seeds.split(",")]
+    if args.estimate:
+        from experiments.budget import estimate, load_fixed_costs
+
+        print(estimate(estimate_plan(preset, load_fixed_costs())).text())
+        return 0
     if not args.report_only:
         run(preset, args.out, args.work, args.jobs)
-    print(report(args.out, preset, command_line()))
+    print(report(args.out, command_line()))
     return 0
 
 

@@ -9,6 +9,7 @@ in a report is a number some run wrote.
 from __future__ import annotations
 
 import csv
+import json
 import math
 import os
 import platform
@@ -191,33 +192,80 @@ def head1_depth(model) -> int:
     return model.cfg.n_trunk_layers + sum(isinstance(m, Block) for m in model.heads[0].modules())
 
 
+NOT_RECORDED = "not recorded"
+"""What a report prints for a setting or provenance field its rows do not hold (rows written
+before the study recorded it)."""
+
+
+def cpu_model() -> str:
+    """The CPU's model name and core count (`AMD EPYC x2`), as `mtp eval` keys its reference
+    times (`mtp.eval.execution.machine_key`, whose first field this is)."""
+    from mtp.eval.execution import machine_key
+
+    return machine_key().split(" | ")[0]
+
+
 def provenance() -> dict[str, str]:
     """What made a run, for its CSV row: the git revision (`+dirty` with uncommitted code),
-    the software and machine, and the UTC time."""
+    the software, the CPU model (and the GPU, where one is visible) and the UTC time."""
     import torch
 
     from mtp.environment import git_state, versions
 
     rev, dirty = git_state(REPO, exclude=["experiments/reports"], untracked=True)
     found = versions("torch")
+    gpu = f", {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ""
     return {"git": rev + ("+dirty" if dirty else ""),
             "environment": f"python {found['python']}, torch {found.get('torch')}, "
-                           f"{platform.machine()} (torch threads: {torch.get_num_threads()})",
+                           f"{platform.machine()} (torch threads: {torch.get_num_threads()})"
+                           f"{gpu}",
+            "cpu": cpu_model(),
             "utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
 
 
+def trained_here(prov: dict[str, str]) -> dict[str, str]:
+    """The training columns of a run trained and evaluated in one call (`provenance()`'s)."""
+    return {"fit_git": prov["git"], "fit_cpu": prov["cpu"]}
+
+
+def _revisions(values: list[str]) -> str:
+    """The distinct revisions of a column, marked where code was uncommitted."""
+    revs = sorted({v for v in values if v})
+    if not revs:
+        return NOT_RECORDED
+    dirty = any("+dirty" in v for v in revs)
+    missing = sum(not v for v in values)
+    return (f"{', '.join(revs)}{' (uncommitted changes!)' if dirty else ' (committed code)'}"
+            + (f", {NOT_RECORDED} for {missing} of {len(values)} runs" if missing else ""))
+
+
+def _distinct(values: list[str]) -> str:
+    found = sorted({v for v in values if v})
+    missing = sum(not v for v in values)
+    if not found:
+        return NOT_RECORDED
+    return "; ".join(found) + (f" ({NOT_RECORDED} for {missing} of {len(values)} runs)"
+                               if missing else "")
+
+
 def provenance_line(rows: list[dict]) -> str:
-    """The report's provenance, from the rows alone (so `--report-only` rewrites the same)."""
-    revs = sorted({r.get("git", "") for r in rows})
-    if revs == [""]:
+    """The report's provenance, from the rows alone (so `--report-only` rewrites the same): the
+    revision that trained the runs, the one that evaluated them, the CPU, software and times.
+    A field the rows do not hold reads `not recorded`."""
+    if {r.get("git", "") for r in rows} == {""}:
         return ("Provenance: the runs of this CSV recorded no git revision, environment or "
                 "time (their rows predate those columns); see the git history of the CSV.")
     envs = sorted({r.get("environment", "") for r in rows})
     times = sorted(r.get("utc", "") for r in rows)
-    dirty = any(v.endswith("+dirty") for v in revs)
-    return (f"Made by git {', '.join(revs)}"
-            f"{' (uncommitted changes!)' if dirty else ' (committed code)'}; "
-            f"{'; '.join(envs)}; runs finished {times[0]} to {times[-1]} UTC.")
+    fit_cpu = [r.get("fit_cpu", "") for r in rows]
+    cpu = [r.get("cpu", "") for r in rows]
+    where = (f"CPU: {_distinct(cpu)}" if fit_cpu == cpu else
+             f"CPU that trained them: {_distinct(fit_cpu)}; that evaluated them: "
+             f"{_distinct(cpu)}")
+    return (f"Git revision that trained the runs: "
+            f"{_revisions([r.get('fit_git', '') for r in rows])}; that evaluated them: "
+            f"{_revisions([r.get('git', '') for r in rows])}; {where}; {'; '.join(envs)}; "
+            f"runs finished {times[0]} to {times[-1]} UTC.")
 
 
 def column(rows: list[dict], col: str) -> list[float]:
@@ -252,6 +300,110 @@ def group(rows: list[dict], by: Sequence[str]) -> dict[tuple, list[dict]]:
     for r in rows:
         out.setdefault(tuple(r[k] for k in by), []).append(r)
     return out
+
+
+# -- the settings a report's rows were made with -------------------------------------------
+
+
+class Recorded:
+    """The settings a report's runs were made with, as their rows recorded them (a JSON
+    mapping in each row's `settings` column), so that a page describes what made its numbers
+    and not today's preset file.
+
+    Values every recording row agrees on are kept; a value that differs between rows or that
+    some rows lack, or any value at all where no row recorded settings, reads `not recorded`
+    (`text`), and `note` says which rows lacked settings and which keys were not the same.
+    """
+
+    def __init__(self, rows: list[dict], column: str = "settings") -> None:
+        try:
+            found = [json.loads(r[column]) for r in rows if r.get(column)]
+        except ValueError as err:
+            raise InputError(f"a `{column}` cell of the results is not JSON ({err}): the CSV "
+                             "was edited by hand or cut") from None
+        self.rows, self.missing = len(rows), len(rows) - len(found)
+        self.values: dict = {}
+        self.differ: list[str] = []
+        if found:
+            self.values = _agreed(found, "", self.differ)
+
+    def get(self, *path: str) -> object | None:
+        """The recorded value at a path of keys (`get("eval", "val_windows")`), or None."""
+        node: object = self.values
+        for key in path:
+            if not isinstance(node, dict) or key not in node:
+                return None
+            node = node[key]
+        return node
+
+    def text(self, *path: str) -> str:
+        """The recorded value for a page (lists as `1, 2`, mappings as JSON), or
+        `not recorded`."""
+        value = self.get(*path)
+        if value is None:
+            return NOT_RECORDED
+        if isinstance(value, list):
+            return ", ".join(str(v) for v in value)
+        if isinstance(value, dict):
+            return f"`{json.dumps(value)}`"
+        return str(value)
+
+    def note(self, ignore: Sequence[str] = ()) -> str:
+        """Which rows recorded no settings and which settings differ between rows, apart from
+        those under an `ignore` prefix ("" when every row recorded the same)."""
+        parts = []
+        if self.missing:
+            parts.append(f"{self.missing} of {self.rows} runs recorded no settings (their rows "
+                         "predate the `settings` column)")
+        differ = [k for k in self.differ if not any(k.startswith(p) for p in ignore)]
+        if differ:
+            parts.append("not every run recorded the same " + ", ".join(f"`{k}`"
+                                                                      for k in differ))
+        return "; ".join(parts)
+
+
+def _agreed(found: list, prefix: str, differ: list[str]) -> dict:
+    """The keys whose values all mappings of `found` share (recursively); the dotted names of
+    those that differ go to `differ`."""
+    out = {}
+    for key in dict.fromkeys(k for d in found for k in d):
+        values = [d.get(key) for d in found]
+        if all(isinstance(v, dict) for v in values):
+            out[key] = _agreed(values, f"{prefix}{key}.", differ)
+        elif all(v == values[0] for v in values):
+            out[key] = values[0]
+        else:
+            differ.append(prefix + key)
+    return out
+
+
+def settings_line(recorded: Recorded, keys: Sequence[str], ignore: Sequence[str] = ()) -> str:
+    """One line naming each setting of `keys` (dotted paths: `eval.val_windows`) as the rows
+    recorded them; differences under the `ignore` prefixes are expected and not noted."""
+    if recorded.missing == recorded.rows:
+        return (f"Settings, as the rows recorded them: {NOT_RECORDED} (the rows of all "
+                f"{recorded.rows} runs predate the `settings` column).")
+    note = recorded.note(ignore)
+    return ("Settings, as the rows recorded them: "
+            + "; ".join(f"`{key}` {recorded.text(*key.split('.'))}" for key in keys)
+            + (f" ({note})" if note else "") + ".")
+
+
+def preset_settings(preset: dict, plan: Sequence[str]) -> dict:
+    """A preset as a row records it: its path and every key but those of `plan` (which runs
+    to make: the row's own columns say which run it is)."""
+    return {"preset": preset["_path"],
+            **{k: v for k, v in preset.items() if k != "_path" and k not in plan}}
+
+
+def steps_line(rows: list[dict], by: str) -> str:
+    """The training steps of the rows (their `steps` column), per value of `by` where they
+    differ."""
+    steps = {r[by]: r.get("steps", "") or NOT_RECORDED for r in rows}
+    if len(set(steps.values())) == 1:
+        return f"Steps: {next(iter(steps.values()))} (every run)."
+    return "Steps: " + ", ".join(f"{steps[v]} at {by} {v}"
+                                 for v in sorted(steps, key=to_float)) + "."
 
 
 # -- plots and reports -------------------------------------------------------------------------

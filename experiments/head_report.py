@@ -3,30 +3,34 @@
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 from experiments.common import (
+    Recorded,
     column,
     errorbar_plot,
-    fit_sections,
     group,
     markdown_table,
     per_seed,
     pm,
     provenance_line,
+    settings_line,
+    steps_line,
     summarize,
     to_float,
     wall_minutes,
 )
+from experiments.k_report import SETTINGS, vocab_and_step_tokens
 from experiments.stats import Family, judged, why_untestable
 from mtp.config import InputError
 
 
 def report(out: Path, preset: dict, head_types: list[str], command: str, rows: list[dict],
            note: str = "") -> str:
-    """Write `<out>/README.md` and `<out>/acceptance.png`; returns the page."""
+    """Write `<out>/README.md` and `<out>/acceptance.png`; returns the page. The page describes
+    the settings the rows recorded (`preset` stands in only for the vocabulary of rows that
+    recorded none, and the page says so)."""
     if not rows:
         raise InputError(f"no results in {out / 'results.csv'} (run the study without "
                          "--report-only first)")
@@ -66,9 +70,9 @@ def report(out: Path, preset: dict, head_types: list[str], command: str, rows: l
             pm(summarize(column(rs, "spec_speedup_vs_k1")), 2) if k != "1" else "–",
             f"{sum(int(i) for i in ident)}/{len(ident)}" if ident else "–"])
 
-    findings = _findings(by, head_types, ks, base,
-                         fit_sections(preset)["model"].get("vocab_size"))
-    ev = preset["eval"]
+    recorded = Recorded(rows)
+    vocab, _, fallback = vocab_and_step_tokens(recorded, preset)
+    findings = _findings(by, head_types, ks, base, vocab)
     fit_min, eval_min = wall_minutes(rows)
     lines = [
         "# Head types: block, linear, Medusa and DeepSeek-V3 MTP heads",
@@ -79,23 +83,25 @@ def report(out: Path, preset: dict, head_types: list[str], command: str, rows: l
         f"```\n{command}\n```",
         "",
         *([note, ""] if note else []),
-        f"Preset `{preset['_path']}`: `mtp fit --config {preset['fit_config']}` with the "
-        f"overrides `{json.dumps(preset.get('fit', {}))}`, the same data, steps and seeds for "
-        "every run. Parameters: block and deepseek heads get `--model.matched_params true` "
-        "(K − 1 trunk blocks move into the heads; a deepseek module adds a 2d × d projection "
-        "and two norm gains); linear and medusa heads hold no block, so their trunk keeps all "
-        f"{preset['fit']['model']['n_layers'] + 1} blocks and their K d × d maps are what they "
-        "add. The `params` column gives each count; `head-1 depth` the blocks on the "
-        "next-token path, which differs between head types and is the main confound of "
-        "their next-token losses. K = 1 is the next-token baseline (the same model for block "
-        "and deepseek heads). Self-speculation: greedy `self-spec` with all heads, "
-        f"{ev['spec_prompts']} prompts of {ev['spec_prompt_tokens']} validation tokens, "
-        f"{ev['spec_new_tokens']} new tokens, batch 1, one CPU thread. Timing is interleaved: "
-        f"for each prompt, {ev.get('spec_repeat', 1)} rounds of greedy, self-spec and the "
-        "K = 1 model's greedy in a rotating order, the median round per prompt. `accept i`: "
-        "the rate at which draft i (head i + 1's) was accepted in rounds where drafts "
-        "1..i − 1 were. Cells: mean ± sample std over seeds.",
+        "Each run: `mtp fit --config <fit_config>` with the overrides `fit` (both below), the "
+        "same data, steps and seeds for every run. Parameters: block and deepseek heads get "
+        "`--model.matched_params true` (K − 1 trunk blocks move into the heads; a deepseek "
+        "module adds a 2d × d projection and two norm gains); linear and medusa heads hold no "
+        "block, so their trunk keeps all `fit.model.n_layers` + 1 blocks and their K d × d "
+        "maps are what they add. The `params` column gives each count; `head-1 depth` the "
+        "blocks on the next-token path, which differs between head types and is the main "
+        "confound of their next-token losses. K = 1 is the next-token baseline (the same model "
+        "for block and deepseek heads). Self-speculation: greedy `self-spec` with all heads, "
+        "`eval.spec_prompts` prompts of `eval.spec_prompt_tokens` validation tokens, "
+        "`eval.spec_new_tokens` new tokens, batch 1, one CPU thread. Timing is interleaved: "
+        "for each prompt, `eval.spec_repeat` rounds of greedy, self-spec and the K = 1 model's "
+        "greedy in a rotating order, the median round per prompt. `accept i`: the rate at "
+        "which draft i (head i + 1's) was accepted in rounds where drafts 1..i − 1 were. "
+        "Cells: mean ± sample std over seeds.",
         "",
+        settings_line(recorded, SETTINGS) + " " + steps_line(rows, "K"),
+        "",
+        *([fallback, ""] if fallback else []),
         markdown_table(header, table),
         "",
         *(["![per-position acceptance](acceptance.png)", ""] if series else []),
@@ -111,6 +117,17 @@ def report(out: Path, preset: dict, head_types: list[str], command: str, rows: l
     text = "\n".join(lines)
     (out / "README.md").write_text(text)
     return text
+
+
+def planned_tests(head_types: list[str], ks: list[int]) -> int:
+    """The m of the findings for a complete sweep of `head_types` at `ks` (K = 1 included): the
+    baseline against chance, each head type and K > 1 against it, and at the largest K each
+    draft position's acceptance of deepseek against each other head type."""
+    multi = [k for k in ks if k > 1]
+    parallel = [h for h in head_types if h != "deepseek"]
+    chained = "deepseek" in head_types and multi
+    return (1 + len(head_types) * len(multi)
+            + (len(parallel) * (max(multi) - 1) if chained else 0))
 
 
 def _findings(by: dict, head_types: list[str], ks: list[int], base: list[dict],

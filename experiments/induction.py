@@ -11,13 +11,16 @@ and a difference in copying is the objective's; the extra head is a parameter on
 
 Results are appended to `<out>/results.csv` as runs finish (a rerun skips finished runs);
 `<out>/README.md` and the PNG plots are regenerated from the CSV at the end (or alone, with
-`--report-only`).
+`--report-only`). A preset gives `steps`, or `tokens_per_param` (each width trains on that many
+tokens per parameter of its K = 1 model); `--estimate` prints what a GPU preset's runs cost
+(tokens per parameter, power, time on one H200; `experiments/budget.py`) and trains nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -26,6 +29,7 @@ if __package__ in (None, ""):  # run as a script, `python experiments/<study>.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments.common import (  # noqa: E402 (a script puts the repository on the path first)
+    Recorded,
     ResultsCSV,
     column,
     command_line,
@@ -39,29 +43,47 @@ from experiments.common import (  # noqa: E402 (a script puts the repository on 
     markdown_table,
     per_seed,
     pm,
+    preset_settings,
     provenance,
     provenance_line,
+    settings_line,
     single_thread,
+    steps_line,
     study_main,
     summarize,
     to_float,
+    trained_here,
 )
 from experiments.stats import Family, finding, why_untestable  # noqa: E402
 from mtp.config import InputError  # noqa: E402
 
 COLUMNS = ["d_model", "K", "seed", "params", "head1_depth", "steps", "copy_acc", "floor",
-           "chance", "curve", "train_s", "git", "environment", "utc"]
+           "chance", "curve", "train_s", "git", "environment", "utc", "fit_git", "fit_cpu", "cpu",
+           "settings"]
 """One row per run. `floor` is the context-bag baseline (no induction), `curve`
-[[step, copy accuracy], ...] on a smaller held-out probe set."""
+[[step, copy accuracy], ...] on a smaller held-out probe set; a run trains and is scored in one
+call, so `fit_git` / `fit_cpu` (what trained it) equal `git` / `cpu` (what scored it);
+`settings` (JSON) is the preset it ran with, but for its plan (`PLAN`)."""
 KEY = ["d_model", "K", "seed"]
+#: Preset keys that say which runs to make (a row's own columns say which run it is).
+PLAN = ("sizes", "ks", "seeds")
 
 
-def _model_config(preset: dict, d: int, k: int):
+def model_config(preset: dict, d: int, k: int):
     from mtp.config import ModelConfig
 
     return ModelConfig(vocab_size=_task(preset).vocab_size, d_model=d,
                        n_layers=preset["n_layers"], n_heads=max(1, d // preset["head_dim"]),
                        n_future=k, max_seq_len=preset["seq_len"] + 8)
+
+
+def train_steps(preset: dict, d: int) -> int:
+    """Training steps at width d: the preset's `steps`, or those its `tokens_per_param` gives
+    the K = 1 model of that width (every K trains as long)."""
+    from experiments.budget import model_shape, preset_steps
+
+    return preset_steps(preset, model_shape(model_config(preset, d, 1),
+                                            preset["seq_len"]).params)
 
 
 def _task(preset: dict):
@@ -114,25 +136,30 @@ def one_run(preset: dict, d: int, k: int, seed: int) -> dict:
         return induction_accuracy(model, task, n_seqs=preset["probe_seqs"],
                                   length=preset["seq_len"], seed=20_000)
 
-    trained = train_model(task, _model_config(preset, d, k),
+    n_steps = train_steps(preset, d)
+    trained = train_model(task, model_config(preset, d, k),
                           OptimConfig(lr=preset["lr"], warmup_steps=preset["warmup_steps"]),
                           seq_len=preset["seq_len"], batch_size=preset["batch_size"],
-                          steps=preset["steps"], seed=seed,
-                          accelerator=preset.get("accelerator", "cpu"), probe=probe,
+                          steps=n_steps, seed=seed, accelerator=preset.get("accelerator", "cpu"),
+                          precision=preset.get("precision", "32-true"),
+                          data_workers=preset.get("data_workers", 0), probe=probe,
                           probe_every=preset["probe_every"])
+    prov = provenance()
     return {"d_model": d, "K": k, "seed": seed, "params": trained.model.num_params(),
-            "head1_depth": head1_depth(trained.model), "steps": preset["steps"],
+            "head1_depth": head1_depth(trained.model), "steps": n_steps,
             "copy_acc": induction_accuracy(trained.model, task, n_seqs=preset["eval_seqs"],
                                            length=preset["seq_len"]),
             "floor": induction_bag_baseline(task, n_seqs=preset["eval_seqs"],
                                             length=preset["seq_len"]),
             "chance": 1 / task.n_second,
             "curve": json.dumps([[s, round(v, 4)] for s, v in trained.curve]),
-            "train_s": trained.seconds, **provenance()}
+            "train_s": trained.seconds, **prov, **trained_here(prov),
+            "settings": json.dumps(preset_settings(preset, PLAN))}
 
 
-def report(out: Path, preset: dict, command: str) -> str:
-    """Write `<out>/README.md` and its plots from `<out>/results.csv`."""
+def report(out: Path, command: str) -> str:
+    """Write `<out>/README.md` and its plots from `<out>/results.csv` alone: the settings it
+    describes are those the rows recorded."""
     rows = ResultsCSV(out / "results.csv", COLUMNS, KEY).rows()
     if not rows:
         raise InputError(f"no results in {out / 'results.csv'} (run the study without "
@@ -184,24 +211,27 @@ def report(out: Path, preset: dict, command: str) -> str:
         "",
         f"```\n{command}\n```",
         "",
-        f"Preset `{preset['_path']}`: task {preset['task']}; sequences of {preset['seq_len']} "
-        f"tokens, batch {preset['batch_size']}, {preset['steps']} steps, lr {preset['lr']}, "
-        f"attention head width {preset['head_dim']}. Every K keeps the K = 1 model's "
-        f"{preset['n_layers']}-block trunk, so head 1's path (depth in the table) and its "
+        "Every K keeps the K = 1 model's trunk (`n_layers` blocks), so head 1's path (depth "
+        "in the table) and its "
         "parameters are the same for every K and a difference in copying is the objective's; "
         "K = 2's second head is a parameter only training uses. The comparison is not "
         "compute-matched: K = 2 also trains that head, so it has more parameters and spends "
         "more time per step than K = 1. Accuracy: head-1 top-1 "
         "(teacher-forced) on the second token of names that already appeared in the "
-        f"sequence, over {preset['eval_seqs']} held-out sequences (the same for every run); "
-        f"learning curves on {preset['probe_seqs']} other held-out sequences every "
-        f"{preset['probe_every']} steps. Chance: {chance:.3f}. Floor: the context-bag baseline "
+        "sequence, over `eval_seqs` held-out sequences (the same for every run); learning "
+        "curves on `probe_seqs` other held-out sequences every `probe_every` steps. Chance: "
+        f"{chance:.3f}. Floor: the context-bag baseline "
         f"{floor:.3f}, the expected accuracy of guessing uniformly among the second name "
         "tokens already in the sequence (knowing which names occur without pairing their "
         "tokens). A run *copies* when its accuracy passes the midpoint between the floor and "
         f"1.0 ({(1 + floor) / 2:.3f}); the outcome is bimodal (a run copies or it does not), "
         "so the table counts the runs that copy and gives the step at which each seed first "
         "copied on the probe set. Cells: mean ± sample std over seeds, then per-seed values.",
+        "",
+        settings_line(Recorded(rows), ["preset", "task", "seq_len", "batch_size", "lr",
+                                       "warmup_steps", "n_layers", "head_dim", "tokens_per_param",
+                                       "precision", "eval_seqs", "probe_seqs", "probe_every"])
+        + " " + steps_line(rows, "d_model"),
         "",
         markdown_table(["d_model", "params", "head-1 depth", "K", "copy accuracy", "per seed",
                         "runs that copy", "copying emerged at step (per seed)"], table),
@@ -282,6 +312,51 @@ def findings(by: dict, sizes: list[int], ks: list[int], floor: float) -> list[st
     return out
 
 
+def planned_tests(sizes: list[int], ks: list[int]) -> int:
+    """The m of `findings` for a complete study: per size, each K against the floor and, with
+    a K = 1 baseline, it against perfect copying and each K > 1 against it."""
+    base = int(1 in ks)
+    return len(sizes) * (len(ks) + base * (1 + len([k for k in ks if k > 1])))
+
+
+def estimate_plan(preset: dict, costs):
+    """What the preset's runs cost apart from the device (`experiments.budget`): per size and
+    K, the FLOPs of training and of scoring (probes and the final evaluation), and host
+    seconds (setup, each optimizer step, generating every token trained on or scored, the
+    context-bag floor)."""
+    from experiments import budget
+
+    if preset.get("accelerator", "cpu") == "cpu":
+        raise InputError(f"--estimate times a GPU preset; {preset['_path']} trains on the CPU "
+                         "(accelerator: cpu)")
+    seq, batch = preset["seq_len"], preset["batch_size"]
+    generate = costs.generate_s_per_token["induction"]
+    # training windows come from `data_workers` processes beside the step (none: in its loop)
+    workers = preset.get("data_workers", 0)
+    runs = []
+    for d in preset["sizes"]:
+        n_steps = train_steps(preset, d)
+        every = preset["probe_every"]
+        probes = n_steps // every + bool(n_steps % every)  # and at the last step
+        scored = (probes * preset["probe_seqs"] + preset["eval_seqs"]) * seq
+        forwards = (probes * math.ceil(preset["probe_seqs"] / 64)
+                    + math.ceil(preset["eval_seqs"] / 64))
+        for k in preset["ks"]:
+            shape = budget.model_shape(model_config(preset, d, k), seq)
+            tokens = n_steps * batch * seq
+            host = (costs.synthetic_run_s + n_steps * costs.step(shape.blocks)
+                    + generate * (n_steps * batch * (seq + k) / max(1, workers) + scored)
+                    + forwards * costs.forward(shape.blocks)
+                    + costs.bag_s_per_token * preset["eval_seqs"] * seq)
+            runs.append(budget.RunCost(f"d={d} K={k}", len(preset["seeds"]), shape.params,
+                                       tokens, n_steps,
+                                       shape.flops_per_token * (tokens + scored / 3), host,
+                                       str(preset.get("precision", "32-true"))))
+    return budget.Plan(preset["_path"], runs, {"process start": costs.start_s},
+                       len(preset["seeds"]), planned_tests(preset["sizes"], preset["ks"]),
+                       preset.get("tokens_per_param"))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="cpu", help="`cpu`, `gpu` or a YAML path")
@@ -292,6 +367,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=1,
                         help="runs trained side by side, one CPU thread each")
     parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--estimate", action="store_true",
+                        help="print a GPU preset's runs, tokens per parameter, seeds against "
+                             "power and time on one H200 by the FLOP model plus measured host "
+                             "costs (experiments/budget.py); trains nothing")
     args = parser.parse_args(argv)
     if args.jobs < 1:
         raise InputError(f"--jobs must be >= 1 (got {args.jobs})")
@@ -299,9 +378,14 @@ def main(argv: list[str] | None = None) -> int:
     preset = load_preset("induction", args.preset)
     if args.seeds:
         preset["seeds"] = [int(s) for s in args.seeds.split(",")]
+    if args.estimate:
+        from experiments.budget import estimate, load_fixed_costs
+
+        print(estimate(estimate_plan(preset, load_fixed_costs())).text())
+        return 0
     if not args.report_only:
         run(preset, args.out, args.work, args.jobs)
-    print(report(args.out, preset, command_line()))
+    print(report(args.out, command_line()))
     return 0
 
 

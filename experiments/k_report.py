@@ -4,12 +4,12 @@ results.csv."""
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from experiments.common import (
+    Recorded,
     column,
     errorbar_plot,
     fit_sections,
@@ -18,21 +18,50 @@ from experiments.common import (
     per_seed,
     pm,
     provenance_line,
+    settings_line,
+    steps_line,
     summarize,
     wall_minutes,
 )
 from experiments.stats import Family, finding, judged, why_untestable
 from mtp.config import BYTE_LEVEL_BASE, InputError
 
+#: The settings a K-sweep page lists, as its rows recorded them.
+SETTINGS = ["preset", "fit_config", "fit", "depth_controls", "tokens_per_param", "eval.device",
+            "eval.val_windows", "eval.humaneval_limit", "eval.mbpp_limit",
+            "eval.max_new_tokens", "eval.spec_prompts", "eval.spec_prompt_tokens",
+            "eval.spec_new_tokens", "eval.spec_repeat"]
+
+
+def vocab_and_step_tokens(recorded: Recorded, preset: dict) -> tuple[int, int, str]:
+    """The vocabulary size and training tokens per optimizer step the rows recorded (the
+    verdicts need them: a uniform guess's loss, the tokens a run trained on), and "". Rows that
+    recorded no settings take them from `preset` as it is today, and the third value is the
+    sentence that says so."""
+    resolved = recorded.get("resolved")
+    if all(recorded.get("resolved", *key) is not None
+           for key in (("model", "vocab_size"), ("data", "batch_size"), ("data", "seq_len"))):
+        return int(resolved["model"]["vocab_size"]), tokens_per_step(resolved), ""
+    sections = fit_sections(preset)
+    vocab, per_step = int(sections["model"]["vocab_size"]), tokens_per_step(sections)
+    return vocab, per_step, (
+        "The rows recorded no vocabulary size, batch or sequence length, which the tests "
+        "against a uniform guess and the scale of the findings need: they are read from "
+        f"`{preset['_path']}` as it is today (vocabulary {vocab}, {per_step} training tokens a "
+        "step).")
+
 
 def report(out: Path, preset: dict, command: str, rows: list[dict], base_layers: int,
            note: str = "") -> str:
     """Write `<out>/README.md` and the loss / L / speedup plots from the rows of
-    `<out>/results.csv`; `base_layers` is the preset's `--model.n_layers`."""
+    `<out>/results.csv`. The page describes the settings the rows recorded; `preset` (and
+    `base_layers`, its `--model.n_layers`) stand in only for what the verdicts need and rows
+    written before the `settings` column lack, and the page says so."""
     if not rows:
         raise InputError(f"no results in {out / 'results.csv'} (run the study without "
                          "--report-only first)")
-    base_n = str(base_layers)
+    recorded = Recorded(rows)
+    base_n = str(recorded.get("resolved", "model", "n_layers") or base_layers)
     # The sweep proper: every K at the preset's n_layers (older CSVs recorded none).
     main_rows = group([r for r in rows if r.get("n_layers", "") in ("", base_n)], ["K"])
     ks = sorted(int(k) for (k,) in main_rows)
@@ -72,8 +101,11 @@ def report(out: Path, preset: dict, command: str, rows: list[dict], base_layers:
                   ylabel="wall-clock speedup", logx=True, hline=1.0, hline_label="greedy",
                   title="Self-speculative speedup vs K (batch 1, CPU)")
 
+    vocab, per_step, fallback = vocab_and_step_tokens(recorded, preset)
+    scale = Scale(max(int(r["params"]) for rs in by.values() for r in rs),
+                  max(int(r["steps"]) for rs in by.values() for r in rs) * per_step, vocab)
     # a byte-level vocabulary: one token per byte (and the end-of-text token)
-    byte_level = preset.get("fit", {}).get("model", {}).get("vocab_size") == BYTE_LEVEL_BASE
+    byte_level = scale.vocab == BYTE_LEVEL_BASE
     table = []
     for k in ks:
         rs = by[k]
@@ -93,7 +125,6 @@ def report(out: Path, preset: dict, command: str, rows: list[dict], base_layers:
         depth_table.append([k, by[k][0]["head1_depth"], pm(stat(k, "next_token_loss")),
                             pm(summarize(column(c, "next_token_loss"))), c[0]["params"],
                             per_seed(c, "next_token_loss")])
-    ev = preset["eval"]
     fit_min, eval_min = wall_minutes(rows)
     lines = [
         "# K sweep: matched-parameter multi-token prediction",
@@ -105,22 +136,24 @@ def report(out: Path, preset: dict, command: str, rows: list[dict], base_layers:
         f"```\n{command}\n```",
         "",
         *([note, ""] if note else []),
-        f"Preset `{preset['_path']}`: `mtp fit --config {preset['fit_config']}` with the "
-        f"overrides `{json.dumps(preset.get('fit', {}))}`, plus `--model.n_future K "
-        "--model.matched_params true --seed_everything SEED --data.seed SEED` (K − 1 trunk "
-        "blocks move into the heads, so every K has the same number of blocks and parameters; "
-        "the unembedding is shared by the heads). Validation loss: the same first "
-        f"{ev['val_windows']} validation windows (at most) for every K. HumanEval / MBPP: "
-        f"`mtp eval` on the first {ev['humaneval_limit']} / {ev['mbpp_limit']} tasks, one greedy "
-        f"sample, at most {ev['max_new_tokens']} new tokens. Self-speculation: "
-        f"{ev['spec_prompts']} prompts of {ev['spec_prompt_tokens']} validation tokens, "
-        f"{ev['spec_new_tokens']} new tokens each, batch 1, greedy vs `self-spec` with all K "
-        f"heads, one CPU thread, timed interleaved: for each prompt, {ev.get('spec_repeat', 1)} "
+        "Each run: `mtp fit --config <fit_config>` with the overrides `fit` (both below), "
+        "plus `--model.n_future K --model.matched_params true --seed_everything SEED "
+        "--data.seed SEED` (K − 1 trunk blocks move into the heads, so every K has the same "
+        "number of blocks and parameters; the unembedding is shared by the heads). Validation "
+        "loss: the same first `eval.val_windows` validation windows (at most) for every K. "
+        "HumanEval / MBPP: `mtp eval` on the first `eval.humaneval_limit` / `eval.mbpp_limit` "
+        "tasks, one greedy sample, at most `eval.max_new_tokens` new tokens. "
+        "Self-speculation: `eval.spec_prompts` prompts of `eval.spec_prompt_tokens` validation "
+        "tokens, `eval.spec_new_tokens` new tokens each, batch 1, greedy vs `self-spec` with "
+        "all K heads, one CPU thread, timed interleaved: for each prompt, `eval.spec_repeat` "
         "rounds of the model's greedy, its self-spec and the K = 1 model's greedy in a "
         "rotating order, the median round per prompt. Cells: mean ± sample std over seeds "
         "(error bars in the plots: ± 1 std); `head-1 depth` is the number of blocks on the "
         "next-token path.",
         "",
+        settings_line(recorded, SETTINGS) + " " + steps_line(rows, "K"),
+        "",
+        *([fallback, ""] if fallback else []),
         *(["A byte-level model: the vocabulary is the 256 bytes and the end-of-text token, "
            "so one token is one byte and bits per byte are the next-token loss / ln 2.", ""]
           if byte_level else []),
@@ -151,9 +184,7 @@ def report(out: Path, preset: dict, command: str, rows: list[dict], base_layers:
         "",
         "## Which findings of the paper reproduce here",
         "",
-        *verdicts(by, ks, control, byte_level,
-                  Scale(max(int(r["params"]) for rs in by.values() for r in rs),
-                        _trained_tokens(preset), fit_sections(preset)["model"]["vocab_size"])),
+        *verdicts(by, ks, control, byte_level, scale),
         "",
         f"Runs: {len(rows)}; {fit_min:.1f} min training + {eval_min:.1f} min evaluation (one "
         "CPU thread each). Losses, accuracies and L do not depend on machine load; timings "
@@ -272,12 +303,29 @@ def verdicts(by: dict, ks: list[int], control, byte_level: bool, scale: Scale) -
     return out
 
 
+def planned_tests(ks: list[int], depth_controls: bool) -> int:
+    """The m of `verdicts` for a complete sweep of `ks` (every group of 5 or more seeds): the
+    seeds a GPU preset needs for its power follow from it (`experiments.budget`)."""
+    multi = len([k for k in ks if k > 1])
+    base = int(1 in ks)  # K = 1 against chance; each K > 1 against it; its timed greedy
+    controls = base * int(bool(depth_controls))  # chance, objective and depth per control
+    return base + multi * (base + 3 * controls + 1 + base) + max(0, len(ks) - 1)
+
+
+def planned_scan_tests(widths: list[int], ks: list[int]) -> int:
+    """The m of `scan_report` for a complete scan: per width, K = 1 against chance and each
+    K > 1 against K = 1."""
+    return len(widths) * (1 + len([k for k in ks if k > 1])) if 1 in ks else 0
+
+
 def scan_report(out: Path, preset: dict, command: str, by_width: dict[int, list[dict]],
                 base_layers: int) -> str:
     """Write `<out>/README.md` and `<out>/loss_vs_params.png` of a size scan (a K sweep per
     width, each with its own page under `<out>/d<width>/`); `base_layers` is the preset's
     `--model.n_layers`. Runs are grouped by K and n_layers, so a depth-matched K = 1 control
-    is a group of its own and never part of the K = 1 baseline."""
+    is a group of its own and never part of the K = 1 baseline. As on a sweep's page, the
+    settings are the rows' (`preset` stands in where rows recorded none, and the page says
+    so)."""
     widths = [w for w, rows in by_width.items() if rows]
     if not widths:
         raise InputError(f"no results under {out}/d<width>/results.csv (run the scan without "
@@ -305,8 +353,9 @@ def scan_report(out: Path, preset: dict, command: str, by_width: dict[int, list[
                   title="Size scan: next-token loss by K")
 
     fam, learned, tests = Family(), {}, {}
-    vocab = fit_sections(preset)["model"]["vocab_size"]
+    inputs = {w: vocab_and_step_tokens(Recorded(by_width[w]), preset) for w in widths}
     for w in widths:
+        vocab = inputs[w][0]
         if rows_of(w, 1):
             learned[w] = fam.against(column(rows_of(w, 1), "next_token_loss"), math.log(vocab),
                                      "a uniform guess's loss", "less")
@@ -322,11 +371,14 @@ def scan_report(out: Path, preset: dict, command: str, by_width: dict[int, list[
             rs = rows_of(w, k, n)
             if not rs:
                 continue
+            steps = max(int(r["steps"]) for r in rs)
             table.append([w, rs[0]["params"], rs[0]["head1_depth"],
                           k if n == base_layers else f"{k} (depth control, n_layers {n})",
+                          steps, f"{steps * inputs[w][1] / int(rs[0]['params']):.2f}",
                           len(rs), pm(summarize(column(rs, "next_token_loss"))),
                           per_seed(rs, "next_token_loss"),
                           pm(summarize(column(rs, "spec_L")), 2)])
+        vocab, per_step, _ = inputs[w]
         if w in learned:
             lines_out.append(f"- d = {w}, next-token loss of K = 1 against a uniform guess's "
                              f"loss (ln {vocab}; whether it learned): {learned[w].stat()}: "
@@ -336,7 +388,8 @@ def scan_report(out: Path, preset: dict, command: str, by_width: dict[int, list[
                 continue
             test = tests[w, k]
             deltas[k].append((w, test.diff))
-            scale = Scale(int(rows_of(w, k)[0]["params"]), _trained_tokens(preset), vocab)
+            scale = Scale(int(rows_of(w, k)[0]["params"]),
+                          max(int(r["steps"]) for r in rows_of(w, k)) * per_step, vocab)
             verdict = judged(test, why_untestable("the K = 1 model", learned.get(w)))
             lines_out.append(f"- d = {w}, next-token loss of K = {k} vs K = 1: {test.stat()}: "
                              f"**{verdict}**"
@@ -351,7 +404,8 @@ def scan_report(out: Path, preset: dict, command: str, by_width: dict[int, list[
                 "not a test): " + ", ".join(f"{d:+.3f} at d = {w}" for w, d in ds)
                 + (": it shrinks at every step up in width." if shrinks else
                    ": it does not shrink at every step up in width."))
-    fit = preset["fit"]
+    fallback = next((why for _, _, why in inputs.values() if why), "")
+    everything = Recorded([r for w in widths for r in by_width[w]])
     lines = [
         "# Size scan: multi-token prediction across model widths",
         "",
@@ -360,16 +414,22 @@ def scan_report(out: Path, preset: dict, command: str, by_width: dict[int, list[
         "",
         f"```\n{command}\n```",
         "",
-        f"Preset `{preset['_path']}`: K in {{{', '.join(map(str, ks))}}} at widths "
-        f"{', '.join(map(str, widths))} (attention heads of {preset['head_dim']}), matched "
-        f"parameters, {fit['trainer']['max_steps']} steps each, data "
-        f"`{fit.get('data', {}).get('source', 'the base config')}`. Each width's sweep, with "
-        "its acceptance, speedups and depth table, is on its own page: "
+        f"K in {{{', '.join(map(str, ks))}}} at widths {', '.join(map(str, widths))} "
+        "(`head_dim` wide attention heads), matched parameters, each width trained for the "
+        "steps in the table (tokens per parameter: steps x the tokens of a step / the "
+        "parameters). Each width's sweep, with its acceptance, speedups and depth table, and "
+        "its settings, is on its own page: "
         + ", ".join(f"[d = {w}](d{w}/README.md)" for w in widths) + ". Cells: mean ± "
         "sample std over seeds, then per-seed values.",
         "",
-        markdown_table(["d_model", "params", "head-1 depth", "K", "seeds", "next-token loss",
-                        "per seed", "L"], table),
+        settings_line(everything, ["preset", "fit_config", "head_dim", "tokens_per_param",
+                                   "resolved.data.source", "resolved.model.vocab_size",
+                                   "resolved.data.seq_len", "resolved.data.batch_size"],
+                      ignore=("fit.", "resolved.")),
+        "",
+        *([fallback, ""] if fallback else []),
+        markdown_table(["d_model", "params", "head-1 depth", "K", "steps", "tokens/param",
+                        "seeds", "next-token loss", "per seed", "L"], table),
         "",
         "![next-token loss vs parameters](loss_vs_params.png)",
         "",
@@ -453,11 +513,11 @@ def _count(x: float) -> str:
     return f"{x / 1e6:.2g}M" if x < 1e6 else f"{x / 1e6:.3g}M"
 
 
-def _trained_tokens(preset: dict) -> int:
-    """Tokens each run of the sweep trains on: steps x batch x sequence length (x gradient
-    accumulation and devices)."""
-    cfg = fit_sections(preset)
-    devices = cfg["trainer"].get("devices", 1)
-    return (int(cfg["trainer"]["max_steps"]) * int(cfg["data"]["batch_size"])
-            * int(cfg["data"]["seq_len"]) * int(cfg["trainer"].get("accumulate_grad_batches", 1))
+def tokens_per_step(sections: dict) -> int:
+    """Training tokens of one optimizer step of `mtp fit` sections: batch x sequence length (x
+    gradient accumulation and devices)."""
+    trainer = sections.get("trainer", {})
+    devices = trainer.get("devices", 1)
+    return (int(sections["data"]["batch_size"]) * int(sections["data"]["seq_len"])
+            * int(trainer.get("accumulate_grad_batches", 1))
             * (devices if isinstance(devices, int) and devices > 1 else 1))

@@ -2,7 +2,7 @@
 
 For every (K, seed) of a preset: `mtp fit` (through `mtp.cli.main`, the public entry point)
 with `--model.matched_params true`, so every K has the same number of transformer blocks and
-parameters, the same data and the same seeds; then
+parameters, the same data and the same seeds; then measure it (`experiments/k_eval.py`):
 
 - per-head and next-token (head 1) validation loss on the same validation windows for every K;
 - HumanEval and MBPP pass@k through `mtp eval` (cheap settings by default: a few tasks, greedy);
@@ -19,6 +19,11 @@ vs K) are regenerated from the CSV; TensorBoard hyperparameter summaries go to
 `<work>/hparams` (`tensorboard --logdir <work>`).
 
     python experiments/k_sweep.py --preset cpu --out experiments/reports/k_sweep
+
+A preset may give `tokens_per_param` instead of `--trainer.max_steps`: every width then trains
+on that many tokens per parameter of its K = 1 model. `--estimate` prints what a GPU preset's
+runs cost (tokens per parameter, power, time on one H200; `experiments/budget.py`) and trains
+nothing.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -35,7 +41,7 @@ if __package__ in (None, ""):  # run as a script, `python experiments/<study>.py
 
 import yaml  # noqa: E402
 
-from experiments import head_report, k_report  # noqa: E402
+from experiments import head_report, k_eval, k_report  # noqa: E402
 from experiments.common import (
     REPO,
     ResultsCSV,
@@ -56,13 +62,20 @@ COLUMNS = ["head_type", "K", "n_layers", "seed", "params", "steps", "head1_depth
            "acc_head1", "humaneval_pass@1", "mbpp_pass@1", "humaneval_tasks", "mbpp_tasks",
            "spec_L", *[f"accept_pos{i}" for i in range(1, MAX_K)], "greedy_ms_per_token",
            "spec_ms_per_token", "spec_speedup", "spec_identical", "k1_greedy_ms_per_token",
-           "spec_speedup_vs_k1", "fit_s", "eval_s", "git", "environment", "utc"]
+           "spec_speedup_vs_k1", "fit_s", "eval_s", "git", "environment", "utc", "fit_git",
+           "fit_cpu", "cpu", "settings"]
 """One row per run. `n_layers` is the run's `--model.n_layers`, `head1_depth` the blocks on its
 next-token path, `accept_pos{i}` the rate at which draft i was accepted given drafts 1..i - 1
-were; `git`, `environment` and `utc` say what made the row."""
+were. `fit_git` and `fit_cpu` name the revision and CPU that trained the run (recorded in its
+work directory when it trained: an evaluation may reuse a run trained by an earlier
+invocation), `git`, `cpu`, `environment` and `utc` what evaluated it, and `settings` (JSON) the
+settings it trained with (`training_settings`) and the evaluation settings."""
 KEY = ["head_type", "K", "n_layers", "seed"]
 #: Heads that are blocks, into which matched parameters move trunk blocks.
 BLOCK_HEADS = ("block", "deepseek")
+#: Preset keys that plan a sweep (a row's own columns say which K, seed, head type and width it
+#: is) or evaluate it, rather than set how its runs train.
+PLAN_KEYS = ("_path", "ks", "seeds", "head_types", "widths", "eval")
 
 
 def results(out: Path) -> ResultsCSV:
@@ -91,16 +104,39 @@ def width_sweeps(preset: dict) -> list[tuple[int | None, dict]]:
     else [(None, preset)]."""
     widths = preset.get("widths")
     if not widths:
-        return [(None, preset)]
+        return [(None, sized(preset))]
     head_dim = preset.get("head_dim")
     bad = [w for w in widths if not isinstance(w, int) or not head_dim or w % head_dim]
     if bad:
         raise InputError(f"--preset {preset['_path']}: widths {bad} must be multiples of its "
                          f"head_dim (got {head_dim!r})")
-    return [(w, _deep_merge(preset, {"fit": {"model": {"d_model": w,
-                                                        "n_heads": w // head_dim}}}))
+    return [(w, sized(_deep_merge(preset, {"fit": {"model": {"d_model": w,
+                                                              "n_heads": w // head_dim}}})))
             for w in widths]
 
+
+def sized(preset: dict) -> dict:
+    """The preset with `--trainer.max_steps` set by its `tokens_per_param`, if it states one:
+    the fewest steps that give every parameter of the K = 1 model that many training tokens
+    (every run of the sweep trains as long)."""
+    tpp = preset.get("tokens_per_param")
+    if tpp is None:
+        return preset
+    if "max_steps" in preset.get("fit", {}).get("trainer", {}):
+        raise InputError(f"--preset {preset['_path']}: give tokens_per_param or "
+                         "fit.trainer.max_steps, not both")
+    from experiments.budget import model_shape, steps_for
+
+    cfg = sweep_config(preset)
+    shape = model_shape(model_config(cfg["model"] | {"n_future": 1}), cfg["data"]["seq_len"])
+    steps = steps_for(tpp, shape.params, k_report.tokens_per_step(cfg))
+    return _deep_merge(preset, {"fit": {"trainer": {"max_steps": steps}}})
+
+
+def model_config(model: dict):
+    from mtp.config import ModelConfig
+
+    return ModelConfig(**{k: v for k, v in model.items() if k in ModelConfig.__dataclass_fields__})
 
 
 def _deep_merge(base: dict, over: dict) -> dict:
@@ -109,6 +145,22 @@ def _deep_merge(base: dict, over: dict) -> dict:
         out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k),
                                                                               dict) else v
     return out
+
+
+def sweep_config(preset: dict) -> dict:
+    """The `mtp fit` config every run of a sweep shares: the base config overridden key by key
+    by the preset's `fit`."""
+    with open(REPO / preset["fit_config"]) as f:
+        return _deep_merge(yaml.safe_load(f), preset.get("fit", {}))
+
+
+def training_settings(preset: dict) -> dict:
+    """What a run of the sweep trains with, as its row records it: the preset's path, its
+    training keys (base config, overrides, depth controls, tokens per parameter ...) and the
+    resolved `mtp fit` config; not its plan or evaluation (`PLAN_KEYS`)."""
+    return {"preset": preset["_path"],
+            **{k: v for k, v in preset.items() if k not in PLAN_KEYS},
+            "resolved": sweep_config(preset)}
 
 
 def run_fit_config(preset: dict, k: int, seed: int, run_dir: Path,
@@ -121,9 +173,7 @@ def run_fit_config(preset: dict, k: int, seed: int, run_dir: Path,
     medusa heads hold no block, so their trunk keeps all `n_layers + 1` blocks, and their K
     d x d maps are the parameters they add. `n_layers` sets a depth-matched control's trunk.
     """
-    with open(REPO / preset["fit_config"]) as f:
-        cfg = yaml.safe_load(f)
-    cfg = _deep_merge(cfg, preset.get("fit", {}))
+    cfg = sweep_config(preset)
     model: dict = {"n_future": k, "matched_params": head_type in BLOCK_HEADS}
     if head_type != "block":
         model["head_type"] = head_type
@@ -165,15 +215,27 @@ def last_checkpoint(run_dir: Path) -> Path | None:
 
 
 def train(preset: dict, k: int, seed: int, run_dir: Path, head_type: str = "block",
-          n_layers: int | None = None) -> float:
-    """Train one (head type, K, seed) model through `mtp fit` unless it already finished; wall
-    seconds."""
+          n_layers: int | None = None) -> dict:
+    """Train one (head type, K, seed) model through `mtp fit` unless it already finished; its
+    training record (`training_record`).
+
+    `<run_dir>/fit_done.json` records a finished training: its wall seconds, the revisions and
+    CPU that trained it and the settings it trained with (`training_settings`), so that an
+    evaluation that reuses the run, in this invocation or a later one, names what trained it.
+    Each attempt notes its provenance in `fit_attempts.json` as it starts: a run resumed from
+    the `last.ckpt` of an interrupted attempt was trained by every attempt since it began.
+    """
     done = run_dir / "fit_done.json"
     if done.is_file():
-        return json.loads(done.read_text())["seconds"]
+        return training_record(json.loads(done.read_text()))
     from mtp.cli import main as mtp_main
 
     run_dir.mkdir(parents=True, exist_ok=True)
+    attempts_file = run_dir / "fit_attempts.json"
+    attempts = (json.loads(attempts_file.read_text())
+                if attempts_file.is_file() and last_checkpoint(run_dir) is not None else [])
+    attempts.append({key: v for key, v in provenance().items() if key in ("git", "cpu", "utc")})
+    attempts_file.write_text(json.dumps(attempts))
     cfg = run_fit_config(preset, k, seed, run_dir, head_type, n_layers)
     (run_dir / "fit.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
     argv = fit_argv(run_dir)
@@ -185,126 +247,25 @@ def train(preset: dict, k: int, seed: int, run_dir: Path, head_type: str = "bloc
     seconds = time.perf_counter() - start
     if status or last_checkpoint(run_dir) is None:
         raise RuntimeError(f"mtp fit failed for K={k} seed={seed} (status {status})")
-    done.write_text(json.dumps({"seconds": seconds}))
-    return seconds
+    record = {"seconds": seconds,
+              "git": " then ".join(dict.fromkeys(a["git"] for a in attempts)),
+              "cpu": " then ".join(dict.fromkeys(a["cpu"] for a in attempts)),
+              "utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+              "settings": training_settings(preset)}
+    done.write_text(json.dumps(record))
+    return training_record(record)
 
 
-def validation_losses(model, dm, n_windows: int, batch_size: int) -> dict[str, float]:
-    """Per-head loss and head-1 accuracy on the first `n_windows` validation windows."""
-    import torch
-
-    from mtp.loss import head_metrics, mtp_inputs_targets
-
-    k = model.cfg.n_future
-    losses, acc, seen = torch.zeros(k, dtype=torch.float64), 0.0, 0
-    with torch.no_grad():
-        for a in range(0, n_windows, batch_size):
-            batch = torch.stack([dm.val_set[i] for i in range(a, min(a + batch_size,
-                                                                    n_windows))])
-            batch = batch.to(next(model.parameters()).device)
-            out = head_metrics(model, *mtp_inputs_targets(batch, k))
-            losses += out.head_losses.double() * len(batch)
-            acc += float(out.head_accuracies[0]) * len(batch)
-            seen += len(batch)
-    losses /= seen
-    row = {f"loss_head{i + 1}": float(v) for i, v in enumerate(losses)}
-    row |= {"next_token_loss": float(losses[0]), "val_loss_mean": float(losses.mean()),
-            "acc_head1": acc / seen}
-    return row
-
-
-def n_val_windows(dm, preset: dict) -> int:
-    """Validation windows scored for every K: the same windows, whatever K's window width."""
-    seq_len = dm.cfg.seq_len
-    widest = seq_len + max(preset["ks"])
-    available = (len(dm.val_tokens) - widest) // seq_len + 1
-    return max(1, min(preset["eval"]["val_windows"], available))
-
-
-def pass_at_1(ckpt: Path, benchmark: str, out_dir: Path, ev: dict) -> tuple[float, int]:
-    """pass@1 and task count from `mtp eval <benchmark> --ckpt ...` with the preset's settings."""
-    limit = ev[f"{benchmark}_limit"]
-    if not limit:
-        return float("nan"), 0
-    from mtp.eval.cli import main as eval_main
-
-    argv = [benchmark, "--ckpt", str(ckpt), "--limit", str(limit), "--n-samples", "1",
-            "--temperature", "0", "--k", "1", "--max-new-tokens", str(ev["max_new_tokens"]),
-            "--batch-size", str(ev["batch_size"]), "--workers", str(ev["workers"]),
-            "--device", ev["device"], "--output", str(out_dir)]
-    if benchmark == "mbpp" and ev.get("mbpp_file"):
-        argv += ["--data-file", str(REPO / ev["mbpp_file"])]
-    status = eval_main(argv)
-    if status:
-        raise RuntimeError(f"mtp eval {' '.join(argv)} failed with status {status}")
-    summary = json.loads((out_dir / "summary.json").read_text())
-    return float(summary["pass@1"]), int(summary["n_tasks"])
-
-
-def speculative(model, dm, ev: dict, eot_id: int | None, baseline=None) -> dict:
-    """L, per-position acceptance and speedups of self-speculative decoding (batch 1).
-
-    Prompts are the starts of validation windows (code the model has not trained on). Timing is
-    interleaved: for every prompt, `spec_repeat` rounds each run greedy, self-spec and, given
-    `baseline` (the K = 1 model), its greedy, in an order that rotates from round to round and
-    prompt to prompt, so load on the machine falls on all of them alike. A decoder's time on a
-    prompt is the median of its rounds; its ms per token is the sum of those medians over the
-    tokens it emitted. Each decoder runs once on the first prompt before timing, so one-time
-    costs are not counted.
-    """
-    import statistics
-
-    from mtp.decoding import DecodeStats, generate
-
-    n, plen, new = ev["spec_prompts"], ev["spec_prompt_tokens"], ev["spec_new_tokens"]
-    stride = max(1, len(dm.val_set) // n)
-    prompts = [dm.val_set[i * stride][:plen].tolist() for i in range(n)]
-    runs = {"greedy": (model, "greedy")}
-    if model.cfg.n_future > 1:
-        runs["self-spec"] = (model, "self-spec")
-    if baseline is not None:
-        runs["k1"] = (baseline, "greedy")
-    names = list(runs)
-    for m, dec in runs.values():
-        generate(m, prompts[:1], new, decoder=dec, eot_id=eot_id)
-    seconds = dict.fromkeys(names, 0.0)
-    tokens = dict.fromkeys(names, 0)
-    outputs = {name: [] for name in names}
-    stats = {name: DecodeStats() for name in names}
-    for pi, p in enumerate(prompts):
-        rounds = {name: [] for name in names}
-        for r in range(ev.get("spec_repeat", 1)):
-            shift = (pi + r) % len(names)
-            for name in names[shift:] + names[:shift]:
-                m, dec = runs[name]
-                out, st = generate(m, [p], new, decoder=dec, eot_id=eot_id)
-                rounds[name].append(st.seconds)
-                if r == 0:
-                    outputs[name].append(out[0])
-                    stats[name].add(st)
-                    tokens[name] += len(out[0])
-        for name in names:
-            seconds[name] += statistics.median(rounds[name])
-    ms = {name: 1000 * seconds[name] / max(1, tokens[name]) for name in names}
-    row = {"spec_L": stats["greedy"].tokens_per_forward, "greedy_ms_per_token": ms["greedy"]}
-    if "k1" in ms:
-        row["k1_greedy_ms_per_token"] = ms["k1"]
-    if "self-spec" not in runs:
-        # K = 1 has no draft heads: L is that of greedy decoding, and there is no speedup.
-        return row
-    s = stats["self-spec"]
-    row |= {"spec_L": s.tokens_per_forward, "spec_ms_per_token": ms["self-spec"],
-            "spec_speedup": ms["greedy"] / ms["self-spec"],
-            "spec_identical": int(outputs["greedy"] == outputs["self-spec"])}
-    row |= {f"accept_pos{i + 1}": a for i, a in enumerate(s.acceptance)}
-    if "k1" in ms:
-        row["spec_speedup_vs_k1"] = ms["k1"] / ms["self-spec"]
-    return row
+def training_record(done: dict) -> dict:
+    """A run's training columns from its `fit_done.json`: wall seconds, the revision and CPU
+    that trained it, the settings it trained with (empty where the file predates them)."""
+    return {"fit_s": done["seconds"], "fit_git": done.get("git", ""),
+            "fit_cpu": done.get("cpu", ""), "settings": done.get("settings", {})}
 
 
 def evaluate(preset: dict, k: int, seed: int, run_dir: Path, head_type: str = "block",
              baseline: Path | None = None) -> dict:
-    """Every measurement of one trained run (see the module docstring); `baseline` is the K = 1
+    """Every measurement of one trained run (`experiments.k_eval`); `baseline` is the K = 1
     run's checkpoint, whose greedy decoding self-speculation is also timed against."""
     import torch
 
@@ -328,10 +289,11 @@ def evaluate(preset: dict, k: int, seed: int, run_dir: Path, head_type: str = "b
         dm = build_datamodule(DataConfig(**cfg["data"]), vocab_size=model.cfg.vocab_size,
                               n_future=k)
         dm.setup("validate")
-        row |= validation_losses(model, dm, n_val_windows(dm, preset), cfg["data"]["batch_size"])
-        row |= speculative(model, dm, ev, eot_id(tokenizer, model.cfg), base)
+        row |= k_eval.validation_losses(model, dm, k_eval.n_val_windows(dm, preset),
+                                        cfg["data"]["batch_size"])
+        row |= k_eval.speculative(model, dm, ev, eot_id(tokenizer, model.cfg), base)
     for bench in ("humaneval", "mbpp"):
-        score, n = pass_at_1(ckpt, bench, run_dir / "eval" / bench, ev)
+        score, n = k_eval.pass_at_1(ckpt, bench, run_dir / "eval" / bench, ev)
         row[f"{bench}_pass@1"], row[f"{bench}_tasks"] = score, n
     row["eval_s"] = time.perf_counter() - start
     return row | provenance()
@@ -356,7 +318,7 @@ def plan(preset: dict, head_types: list[str]) -> list[Run]:
     return runs
 
 
-def _train_job(job: tuple) -> float:
+def _train_job(job: tuple) -> dict:
     """`train` in a worker process of `--jobs`, on one CPU thread."""
     single_thread()
     return train(*job)
@@ -391,13 +353,15 @@ def run(preset: dict, out: Path, work: Path, head_types: list[str] | None = None
         from concurrent.futures import ProcessPoolExecutor
 
         with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            fit_s = list(pool.map(_train_job, jobs_args))
+            trained = list(pool.map(_train_job, jobs_args))
     else:
-        fit_s = [train(*a) for a in jobs_args]
-    for (h, k, seed, n), run_dir, seconds in zip(todo, dirs, fit_s):
+        trained = [train(*a) for a in jobs_args]
+    for (h, k, seed, n), run_dir, fit in zip(todo, dirs, trained):
         baseline = last_checkpoint(work / run_dir_name("block", 1, seed))
-        row = {"K": k, "seed": seed, "fit_s": seconds} | evaluate(preset, k, seed, run_dir, h,
-                                                                  baseline)
+        settings = fit.pop("settings") | {"eval": preset["eval"]}
+        row = ({"K": k, "seed": seed, "settings": json.dumps(settings)} | fit
+               | evaluate(preset, k, seed, run_dir, h, baseline))
+        seconds = row["fit_s"]
         csv.append(row)
         log_hparams(work / "hparams" / run_dir.name,
                     {"head_type": h, "K": k, "seed": seed, "params": row["params"],
@@ -408,6 +372,89 @@ def run(preset: dict, out: Path, work: Path, head_types: list[str] | None = None
         print(f"[k_sweep] {run_dir.name}: next-token loss {row['next_token_loss']:.3f}, "
               f"L {row['spec_L']:.2f}, fit {seconds:.0f} s, eval {row['eval_s']:.0f} s",
               flush=True)
+
+
+# -- estimate ----------------------------------------------------------------------------------
+
+
+def estimate_plan(preset: dict, head_types: list[str], costs):
+    """What the preset's runs cost apart from the device (`experiments.budget`): for each width
+    and kind of run, its parameters, training tokens and steps, the FLOPs of its training and
+    evaluation, and its host seconds (setup, each optimizer step, each validation batch and
+    decode forward, each code-benchmark program); once per study, the process start, the
+    corpus's tokenisation and the benchmarks' reference runs."""
+    from collections import Counter
+
+    from experiments import budget
+
+    sweeps = width_sweeps(preset)
+    runs, notes, families, tokenised = [], [], [], set()
+    study = {"process start": costs.start_s}
+    for width, sweep in sweeps:
+        cfg = sweep_config(sweep)
+        if cfg["trainer"].get("accelerator") == "cpu":
+            raise InputError(f"--estimate times a GPU preset; {preset['_path']} trains on the "
+                             "CPU (trainer.accelerator: cpu)")
+        kinds = Counter((h, k, n) for h, k, _, n in plan(sweep, head_types))
+        for (h, k, n), count in kinds.items():
+            label = " ".join([*([f"d={width}"] if width else []),
+                              *([] if h == "block" else [h]), f"K={k}",
+                              *([] if n is None else [f"(depth control, n_layers {n})"])])
+            runs.append(_run_cost(sweep, run_fit_config(sweep, k, 0, Path("."), h, n), costs,
+                                  label, count, 1 in sweep["ks"]))
+        vocab, data = cfg["model"]["vocab_size"], cfg["data"]
+        if vocab not in tokenised:  # the BPE and the token shards are cached for the study
+            tokenised.add(vocab)
+            seconds, source = budget.tokenising(data, vocab, costs)
+            if seconds is None:
+                notes.append(source)
+            else:
+                study[f"tokenising {source} at vocabulary {vocab}"] = seconds
+        corpus = budget.corpus_tokens(data, vocab, costs)
+        tokens = runs[-1].tokens
+        if corpus and tokens > corpus:
+            notes.append(f"{'d = ' + str(width) if width else 'each run'}: "
+                         f"{budget.count_text(tokens)} training tokens are {tokens / corpus:.1f} "
+                         f"passes over the ~{budget.count_text(corpus)} training tokens of "
+                         f"{data['source']}")
+        families.append(k_report.planned_tests(sweep["ks"], sweep.get("depth_controls", False))
+                        if head_types == ["block"] else
+                        head_report.planned_tests(head_types, sweep["ks"]))
+    if sweeps[0][0] is not None:
+        families.append(k_report.planned_scan_tests([w for w, _ in sweeps], preset["ks"]))
+    ev = preset["eval"]
+    tasks = ev["humaneval_limit"] + ev["mbpp_limit"]
+    if tasks:
+        # `mtp eval` times each task's reference solution once per machine (then cached)
+        study["code benchmarks' reference runs"] = tasks * costs.sandbox_s / ev["workers"]
+    return budget.Plan(preset["_path"], runs, study, len(preset["seeds"]), max(families),
+                       preset.get("tokens_per_param"), notes)
+
+
+def _run_cost(sweep: dict, cfg: dict, costs, label: str, count: int, has_k1: bool):
+    """One run's `budget.RunCost`: `cfg` is its `mtp fit` config, `has_k1` whether the sweep's
+    K = 1 model is timed beside its self-speculation."""
+    from experiments import budget
+
+    seq, batch = int(cfg["data"]["seq_len"]), int(cfg["data"]["batch_size"])
+    shape = budget.model_shape(model_config(cfg["model"]), seq)
+    trainer, ev, k = cfg["trainer"], sweep["eval"], cfg["model"]["n_future"]
+    steps = int(trainer["max_steps"])
+    val_batches = steps // int(trainer["val_check_interval"]) * int(trainer["limit_val_batches"])
+    decoders = 1 + (k > 1) + (k > 1 and has_k1)  # greedy, self-spec, the K = 1 model's greedy
+    # one forward per new token: an upper bound for self-spec, which accepts several at once
+    spec = decoders * (1 + ev["spec_prompts"] * ev.get("spec_repeat", 1)) * ev["spec_new_tokens"]
+    bench = sum(math.ceil(ev[f"{b}_limit"] / ev["batch_size"]) * ev["max_new_tokens"]
+                for b in ("humaneval", "mbpp"))
+    scored = (val_batches * batch + ev["val_windows"]) * seq + spec + bench * ev["batch_size"]
+    tokens = steps * k_report.tokens_per_step(cfg)
+    forwards = val_batches + math.ceil(ev["val_windows"] / batch) + spec + bench
+    host = (costs.fit_run_s + costs.eval_run_s + steps * costs.step(shape.blocks)
+            + forwards * costs.forward(shape.blocks)
+            + (ev["humaneval_limit"] + ev["mbpp_limit"]) * costs.sandbox_s / ev["workers"])
+    return budget.RunCost(label, count, shape.params, tokens, steps,
+                          shape.flops_per_token * (tokens + scored / 3), host,
+                          str(trainer.get("precision", "32-true")))
 
 
 # -- report ------------------------------------------------------------------------------------
@@ -430,6 +477,10 @@ def main(argv: list[str] | None = None) -> int:
                              "its timings run one at a time afterwards)")
     parser.add_argument("--note", default="", help="a line added to the report")
     parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--estimate", action="store_true",
+                        help="print a GPU preset's runs, tokens per parameter, seeds against "
+                             "power and time on one H200 by the FLOP model plus measured host "
+                             "costs (experiments/budget.py); trains nothing")
     args = parser.parse_args(argv)
     single_thread()
     preset = load_preset("k_sweep", args.preset)
@@ -440,6 +491,11 @@ def main(argv: list[str] | None = None) -> int:
     head_types = parse_head_types(args.head_types or preset.get("head_types") or ["block"])
     if args.jobs < 1:
         raise InputError(f"--jobs must be >= 1 (got {args.jobs})")
+    if args.estimate:
+        from experiments.budget import estimate, load_fixed_costs
+
+        print(estimate(estimate_plan(preset, head_types, load_fixed_costs())).text())
+        return 0
     sweeps = width_sweeps(preset)
     for width, sweep in sweeps:
         out, work = (args.out, args.work) if width is None else \

@@ -1,5 +1,6 @@
 """experiments/: resumable results, statistics, reports, their recheck, and the K sweep end to end
-(tiny); the generated tasks are in test_synthetic.py."""
+(tiny); provenance and recorded settings are in test_experiments_provenance.py, GPU presets
+and the time estimate in test_experiments_budget.py, the generated tasks in test_synthetic.py."""
 
 import csv
 import json
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from experiments_helpers import PROV, synthetic_rows, tiny_preset
 
 from experiments import arithmetic, common, induction, k_report, k_sweep, stats
 from mtp.config import InputError, ModelConfig
@@ -45,9 +47,6 @@ def _write_csv(path: Path, columns: list[str], rows: list[dict]) -> None:
         w.writerows(rows)
 
 
-_PROV = {"git": "abc1234", "environment": "here", "utc": "2026-12-02 00:00"}
-
-
 def _line(page: str, *parts: str) -> str:
     return next(x for x in page.splitlines() if all(p in x for p in parts))
 
@@ -63,10 +62,10 @@ def test_induction_report_checks_floor_and_ceiling_counts_copying_runs_and_compu
     rows = [{"d_model": d, "K": k, "seed": s, "params": 1000 * d, "head1_depth": 3,
              "steps": 300, "copy_acc": a, "floor": floor, "chance": 1 / 32,
              "curve": json.dumps([[100, 0.3], [200, a if a > 0.9 else 0.4], [300, a]]),
-             "train_s": 1.0, **_PROV}
+             "train_s": 1.0, **PROV}
             for (d, k), accs in acc.items() for s, a in enumerate(accs)]
     _write_csv(tmp_path / "results.csv", induction.COLUMNS, rows)
-    page = induction.report(tmp_path, common.load_preset("induction", "cpu"), "cmd")
+    page = induction.report(tmp_path, "cmd")
     for name in ("induction_accuracy.png", "curves_d32.png", "curves_d64.png"):
         assert (tmp_path / name).stat().st_size > 0
     assert "| 32 | 32000 | 3 | 1 |" in page and "| 1 of 5 | never, 300, never, never, never |" \
@@ -88,9 +87,13 @@ def test_induction_report_checks_floor_and_ceiling_counts_copying_runs_and_compu
         "0.400 (mean 0.402" in line and ": not distinguishable" not in line
     assert "**not testable: the K = 1 baseline is not shown below perfect copying of 1.000" \
         in _line(page, "d = 128, K = 2 vs K = 1")
-    assert "over all m = 12 tests" in page and "Made by git abc1234 (committed code)" in page
+    assert "over all m = 12 tests" in page and "that evaluated them: abc1234 (committed code)" \
+        in page and induction.planned_tests([32, 64, 128], [1, 2]) == 12
+    # rows without the settings column: the page describes nothing from today's preset file
+    assert "Settings, as the rows recorded them: not recorded (the rows of all 30 runs" in page
+    assert "Git revision that trained the runs: not recorded" in page
     # --report-only rewrites the same page
-    assert induction.report(tmp_path, common.load_preset("induction", "cpu"), "cmd") == page
+    assert induction.report(tmp_path, "cmd") == page
 
 
 def test_arithmetic_report_checks_the_floor_of_each_split_and_computes_verdicts(tmp_path):
@@ -104,9 +107,9 @@ def test_arithmetic_report_checks_the_floor_of_each_split_and_computes_verdicts(
              "steps": 10, "acc_in": a, "acc_out": out[k][s], "coef_acc_in": 0.7,
              "coef_acc_out": 0.3, "acc_by_ops": json.dumps({1: a, 2: a, 3: 0.1}),
              "floor_in": 0.08, "floor_out": 0.09, "curve": json.dumps([[5, 0.1], [10, a]]),
-             "train_s": 1.0, **_PROV} for k, accs in acc.items() for s, a in enumerate(accs)]
+             "train_s": 1.0, **PROV} for k, accs in acc.items() for s, a in enumerate(accs)]
     _write_csv(tmp_path / "results.csv", arithmetic.COLUMNS, rows)
-    page = arithmetic.report(tmp_path, common.load_preset("arithmetic", "cpu"), "cmd")
+    page = arithmetic.report(tmp_path, "cmd")
     for name in ("accuracy_by_ops_d64.png", "curves_d64.png"):
         assert (tmp_path / name).stat().st_size > 0
     assert "0.30, 0.32" not in page and "0.300, 0.320, 0.310, 0.290, 0.330" in page
@@ -124,21 +127,11 @@ def test_arithmetic_report_checks_the_floor_of_each_split_and_computes_verdicts(
     for r in rows:
         r["acc_in"] = 0.08
     _write_csv(tmp_path / "results.csv", arithmetic.COLUMNS, rows)
-    page = arithmetic.report(tmp_path, common.load_preset("arithmetic", "cpu"), "cmd")
+    page = arithmetic.report(tmp_path, "cmd")
     assert "**not shown above the majority-answer floor**" in _line(
         page, "the K = 1 baseline in distribution:")
     assert "**not testable: the K = 1 baseline in distribution is not shown above" in _line(
         page, "K = 2 vs K = 1, in distribution")
-
-
-def test_studies_record_each_run_with_its_curve_depth_and_provenance(tmp_path):
-    preset = common.load_preset("induction", "cpu") | {
-        "sizes": [16], "ks": [1, 2], "seeds": [0], "steps": 4, "probe_every": 2,
-        "eval_seqs": 8, "probe_seqs": 4, "batch_size": 2, "seq_len": 16}
-    induction.run(preset, tmp_path, tmp_path / "work")
-    rows = common.ResultsCSV(tmp_path / "results.csv", induction.COLUMNS, induction.KEY).rows()
-    assert sorted((r["K"], r["head1_depth"]) for r in rows) == [("1", "3"), ("2", "3")]
-    assert all(json.loads(r["curve"])[-1][0] == 4 and r["git"] for r in rows)
 
 
 def test_map_runs_gives_every_result_with_workers_or_without():
@@ -155,6 +148,9 @@ def test_every_preset_loads_and_names_its_fields():
             "k_sweep", path.stem.removeprefix("k_sweep_"))
         preset = common.load_preset(study, name)
         assert preset["seeds"] and len(preset["seeds"]) >= 3, path
+        if study in ("induction", "arithmetic"):  # steps or tokens per parameter, not both
+            module = induction if study == "induction" else arithmetic
+            assert all(module.train_steps(preset, d) > 0 for d in preset["sizes"]), path
         if study == "k_sweep":
             cfg = k_sweep.run_fit_config(preset, 2, 0, Path("/tmp/x"))
             assert cfg["model"]["matched_params"] and cfg["model"]["n_future"] == 2
@@ -179,29 +175,8 @@ def test_fit_argv_resumes_from_last_checkpoint(tmp_path):
     assert argv[argv.index("--ckpt_path") + 1] == str(last)
 
 
-def _tiny_preset(tiny_corpus, tmp_path, **fields) -> Path:
-    """A K-sweep preset of seconds: the debug model, 4 steps, a tiny corpus, cheap evaluation."""
-    preset = {
-        "fit_config": "configs/debug.yaml",
-        "fit": {"trainer": {"max_steps": 4, "val_check_interval": 2, "limit_val_batches": 1,
-                            "devices": 1, "accelerator": "cpu", "enable_progress_bar": False},
-                "data": {"source": str(tiny_corpus), "cache_dir": str(tmp_path / "cache"),
-                         "max_documents": None, "val_fraction": 0.2, "seq_len": 16,
-                         "batch_size": 4},
-                "model": {"vocab_size": 300, "n_layers": 2, "max_seq_len": 64}},
-        "seeds": [0],
-        "eval": {"device": "cpu", "val_windows": 4, "humaneval_limit": 0, "mbpp_limit": 0,
-                 "max_new_tokens": 4, "batch_size": 2, "workers": 1, "spec_prompts": 2,
-                 "spec_prompt_tokens": 4, "spec_new_tokens": 6, "spec_repeat": 2},
-        **fields,
-    }
-    path = tmp_path / "tiny.yaml"
-    path.write_text(yaml.safe_dump(preset))
-    return path
-
-
 def test_k_sweep_runs_reports_and_skips_finished_runs(tiny_corpus, tmp_path, monkeypatch):
-    path = _tiny_preset(tiny_corpus, tmp_path, ks=[1, 2], depth_controls=True)
+    path = tiny_preset(tiny_corpus, tmp_path, ks=[1, 2], depth_controls=True)
     out, work = tmp_path / "out", tmp_path / "work"
     monkeypatch.setattr(k_sweep, "single_thread", lambda: None)  # keep the session's threads
     argv = ["--preset", str(path), "--out", str(out), "--work", str(work)]
@@ -223,6 +198,36 @@ def test_k_sweep_runs_reports_and_skips_finished_runs(tiny_corpus, tmp_path, mon
     # the page and plots come from the CSV alone: rebuilt, they are the same bytes
     assert k_sweep.main([*argv, "--report-only"]) == 0
     assert {name: (out / name).read_bytes() for name in names} == written
+    # a row names the revision and CPU that trained its run, recorded in the run's directory
+    # as it trained, and the settings it trained and was evaluated with
+    git, cpu = rows[0]["git"], common.cpu_model()
+    assert all(r["fit_git"] == git and r["fit_cpu"] == r["cpu"] == cpu for r in rows)
+    settings = json.loads(rows[1]["settings"])
+    assert settings["resolved"]["model"]["vocab_size"] == 300 and settings["preset"] == str(path)
+    assert settings["eval"]["val_windows"] == 4 and "ks" not in settings
+    assert "`eval.val_windows` 4;" in page and "The rows recorded no vocabulary" not in page
+    # an evaluation that reuses runs another invocation trained names that one's revision and
+    # CPU; a run trained before training was recorded names none
+    for run, record in (("K1-s0", {"git": "feedbee", "cpu": "Other CPU x64"}),
+                        ("K2-s0", {"git": "feedbee", "cpu": "Other CPU x64"}),
+                        ("K1-L1-s0", None)):
+        done = work / run / "fit_done.json"
+        done.write_text(json.dumps(json.loads(done.read_text()) | record if record else
+                                   {"seconds": 1.0}))
+    (out / "results.csv").unlink()
+    monkeypatch.setattr("mtp.cli.main", lambda argv: pytest.fail("a finished run trained"))
+    assert k_sweep.main(argv) == 0
+    rows = list(csv.DictReader(open(out / "results.csv")))
+    assert [r["fit_git"] for r in rows] == ["feedbee", "feedbee", ""]
+    assert all(r["git"] == git for r in rows)
+    page = (out / "README.md").read_text()
+    assert (f"Git revision that trained the runs: feedbee (committed code), not recorded for 1 "
+            f"of 3 runs; that evaluated them: {git} ") in page
+    assert (f"CPU that trained them: Other CPU x64 (not recorded for 1 of 3 runs); that "
+            f"evaluated them: {cpu};") in page
+    assert "not every run recorded the same `preset`" in page  # the control's training
+    assert "`eval.val_windows` 4;" in page
+    written = {name: (out / name).read_bytes() for name in names}
 
     def no_training(*args, **kwargs):
         raise AssertionError("a finished run was trained again")
@@ -234,7 +239,7 @@ def test_k_sweep_runs_reports_and_skips_finished_runs(tiny_corpus, tmp_path, mon
 
 def test_a_size_scan_runs_a_sweep_per_width_and_compares_them(tiny_corpus, tmp_path,
                                                               monkeypatch):
-    path = _tiny_preset(tiny_corpus, tmp_path, ks=[1, 2], widths=[16, 32], head_dim=8)
+    path = tiny_preset(tiny_corpus, tmp_path, ks=[1, 2], widths=[16, 32], head_dim=8)
     out, work = tmp_path / "out", tmp_path / "work"
     monkeypatch.setattr(k_sweep, "single_thread", lambda: None)
     argv = ["--preset", str(path), "--out", str(out), "--work", str(work)]
@@ -250,7 +255,7 @@ def test_a_size_scan_runs_a_sweep_per_width_and_compares_them(tiny_corpus, tmp_p
     first = {p: p.read_bytes() for p in sorted(out.rglob("*.md"))}
     assert k_sweep.main([*argv, "--report-only"]) == 0
     assert {p: p.read_bytes() for p in sorted(out.rglob("*.md"))} == first
-    bad = _tiny_preset(tiny_corpus, tmp_path, ks=[1], widths=[20], head_dim=8)
+    bad = tiny_preset(tiny_corpus, tmp_path, ks=[1], widths=[20], head_dim=8)
     with pytest.raises(InputError, match=r"widths \[20\] must be multiples of its head_dim"):
         k_sweep.main(["--preset", str(bad), "--out", str(out), "--work", str(work)])
 
@@ -275,32 +280,8 @@ def test_an_unknown_preset_names_the_known_ones(capsys):
             "heads_cpu, scan_gpu)") in capsys.readouterr().err
 
 
-def test_provenance_marks_uncommitted_code_but_not_the_studies_own_outputs(tmp_path,
-                                                                         monkeypatch):
-    """A run's row says `+dirty` for a changed source file, not for the reports under
-    experiments/reports, which every run writes."""
-    import subprocess
-
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    (repo / "code.py").write_text("x = 1\n")
-    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
-    subprocess.run([*git, "init", "-q"], cwd=repo, check=True)
-    subprocess.run([*git, "add", "."], cwd=repo, check=True)
-    subprocess.run([*git, "commit", "-qm", "c"], cwd=repo, check=True)
-    monkeypatch.setattr(common, "REPO", repo)
-    (repo / "experiments" / "reports" / "other").mkdir(parents=True)  # a study's outputs
-    (repo / "experiments" / "reports" / "other" / "results.csv").write_text("b\n")
-    clean = common.provenance()["git"]
-    assert clean and not clean.endswith("+dirty")
-    (repo / "code.py").write_text("x = 2\n")
-    assert common.provenance()["git"] == clean + "+dirty"
-    line = common.provenance_line([{"git": clean + "+dirty", "environment": "e", "utc": "t"}])
-    assert "(uncommitted changes!)" in line
-
-
 def test_k_sweep_compares_head_types(tiny_corpus, tmp_path, monkeypatch):
-    path = _tiny_preset(tiny_corpus, tmp_path, ks=[1, 3])
+    path = tiny_preset(tiny_corpus, tmp_path, ks=[1, 3])
     out, work = tmp_path / "out", tmp_path / "work"
     monkeypatch.setattr(k_sweep, "single_thread", lambda: None)
     argv = ["--preset", str(path), "--out", str(out), "--work", str(work),
@@ -475,24 +456,10 @@ def test_studies_run_as_modules_and_as_scripts(form):
         assert proc.returncode == 0 and "--preset" in proc.stdout, proc.stderr
 
 
-def _synthetic_rows(out: Path, losses: dict[int, list[float]]) -> None:
-    """A results.csv of made-up runs: K -> next-token loss per seed."""
-    table = k_sweep.results(out)
-    for k, values in losses.items():
-        for seed, loss in enumerate(values):
-            table.append({"head_type": "block", "K": k, "n_layers": 8, "seed": seed,
-                          "params": 1000, "steps": 10, "head1_depth": 10 - k,
-                          "next_token_loss": loss, "val_loss_mean": loss,
-                          **{f"loss_head{i}": loss for i in range(1, k + 1)},
-                          "spec_L": 1.0 + 0.1 * k, "spec_identical": 1, "spec_speedup": 1.1,
-                          "fit_s": 1, "eval_s": 1, "git": "abc1234", "environment": "here",
-                          "utc": "2026-12-02 00:00"})
-
-
 def test_byte_level_report_gives_bits_per_byte_and_a_computed_verdict(tmp_path):
     out, seeds, verdict = tmp_path / "out", 5, "lower"
     # K = 8 clearly below K = 1 in five seeds (three could not show it: p >= 0.1)
-    _synthetic_rows(out, {1: [2.0 + 0.01 * s for s in range(seeds)],
+    synthetic_rows(out, {1: [2.0 + 0.01 * s for s in range(seeds)],
                           8: [1.5 + 0.01 * s for s in range(seeds)]})
     preset = common.load_preset("k_sweep", "bytes_cpu")
     page = k_report.report(out, preset, "python experiments/k_sweep.py --preset bytes_cpu",
@@ -505,19 +472,19 @@ def test_byte_level_report_gives_bits_per_byte_and_a_computed_verdict(tmp_path):
     line = next(x for x in page.splitlines() if "byte-level models gain the most" in x)
     # measured far below the paper's scale and by another measure: no verdict on the finding,
     # both scales printed, and what this scale shows
-    assert "**not testable at this scale** (here 0.001M parameters trained on 0.61M bytes, " \
+    assert "**not testable at this scale** (here 0.001M parameters trained on 0.015M bytes, " \
         "measured by next-token validation loss; the paper 7B parameters trained on 314B " \
         "bytes, measured by pass@1 on MBPP and HumanEval)" in line
     assert f"K = 8: {verdict} (against K = 1 at equal parameters; no depth-matched control " \
         "ran)" in line
-    assert "Made by git abc1234 (committed code)" in page
+    assert "that evaluated them: abc1234 (committed code)" in page
 
 
 def test_byte_level_verdict_is_the_objective_against_the_depth_matched_control(tmp_path):
     """K = 8 loses to the full K = 1 model (its head 1 is shallower) but beats the K = 1 model
     of its own head-1 depth: the objective helps, and the verdict says so."""
     out = tmp_path / "out"
-    _synthetic_rows(out, {1: [2.0 + 0.01 * s for s in range(5)],
+    synthetic_rows(out, {1: [2.0 + 0.01 * s for s in range(5)],
                           8: [2.5 + 0.01 * s for s in range(5)]})
     table = k_sweep.results(out)
     for seed in range(5):  # K = 1 controls of K = 8's head-1 depth (10 - 8 blocks)
@@ -541,14 +508,14 @@ def test_k_sweep_findings_show_every_k_and_speedups_join_the_family(tmp_path):
     """A K that came out lower is listed beside one that came out higher; the speedup claims
     are tests of the same family as the comparisons."""
     out = tmp_path / "out"
-    _synthetic_rows(out, {1: [2.0 + 0.01 * s for s in range(5)],
+    synthetic_rows(out, {1: [2.0 + 0.01 * s for s in range(5)],
                           2: [2.3 + 0.01 * s for s in range(5)],
                           4: [1.7 + 0.01 * s for s in range(5)]})
     preset = common.load_preset("k_sweep", "cpu")
     page = k_report.report(out, preset, "cmd", k_sweep.results(out).rows(),
                            k_sweep.base_layers(preset))
     line = _line(page, "at its smallest sizes multi-token prediction scores lower")
-    assert "**not testable at this scale** (here 0.001M parameters trained on 0.61M tokens" \
+    assert "**not testable at this scale** (here 0.001M parameters trained on 0.015M tokens" \
         in line and "the paper 300M parameters trained on 91B tokens of code" in line
     assert "K = 2: higher (against K = 1" in line and "K = 4: lower (against K = 1" in line
     assert "reproduced" not in page and "contradicted" not in page
@@ -573,13 +540,14 @@ def test_a_size_scan_keeps_depth_controls_out_of_the_k1_baseline(tmp_path):
 
     def row(k: int, n_layers: int, seed: int, loss: float) -> dict:
         return {"head_type": "block", "K": str(k), "n_layers": str(n_layers), "seed": str(seed),
-                "params": "1000", "head1_depth": str(n_layers + 1), "next_token_loss": str(loss),
-                "spec_L": "1.0", **_PROV}
+                "params": "1000", "steps": "10", "head1_depth": str(n_layers + 1),
+                "next_token_loss": str(loss), "spec_L": "1.0", **PROV}
 
     rows = [row(1, base, s, 2.0 + 0.01 * s) for s in range(5)]
     rows += [row(4, base, s, 2.5 + 0.01 * s) for s in range(5)]
     rows += [row(1, base - 3, s, 9.0 + 0.01 * s) for s in range(5)]  # K = 4's depth control
     page = k_report.scan_report(tmp_path, preset, "cmd", {128: rows}, base)
-    assert f"| 1 (depth control, n_layers {base - 3}) | 5 |" in page
+    # steps from the rows; tokens per parameter: 10 steps of the preset's 64 x 256 tokens
+    assert f"| 1 (depth control, n_layers {base - 3}) | 10 | 163.84 | 5 |" in page
     assert "Δ = +0.500 " in _line(page, "d = 128, next-token loss of K = 4 vs K = 1")
     assert "**not testable at this scale**" in _line(page, "d = 128, next-token loss of K = 4")

@@ -103,6 +103,15 @@ def test_datamodule_windows_shape_and_determinism():
     assert a.shape == (5, 36) and a.dtype == torch.int64 and torch.equal(a, b)
 
 
+def test_worker_processes_generate_the_same_windows_in_the_same_order():
+    task = InductionTask()
+    kw = dict(seq_len=16, n_future=2, batch_size=3, train_steps=4, seed=1)
+    alone = list(SyntheticDataModule(task, **kw).train_dataloader())
+    workers = list(SyntheticDataModule(task, **kw, num_workers=2).train_dataloader())
+    assert len(alone) == len(workers) == 4
+    assert all(torch.equal(a, b) for a, b in zip(alone, workers))
+
+
 class _Oracle(torch.nn.Module):
     """A stand-in for head 1 that predicts by a rule: `rule(x)` gives, for every row and
     position of the input x (B, T), the token it predicts next (B, T)."""
