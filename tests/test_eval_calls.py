@@ -66,6 +66,24 @@ def test_values_that_lie_about_equality_fail_with_their_type_named(kind):
     assert f"f returned a candidate.{name} (not plain data)" in result.error, result.error
 
 
+# Rewrites the int object 3 in place with ctypes (its size field to 0: CPython 3.11's layout), so
+# that every 3 of the interpreter equals 0.
+CTYPES_SLOT = """
+    import ctypes
+    three = 3
+    ctypes.c_ssize_t.from_address(id(three) + 16).value = 0
+    def f():
+        return 0
+"""
+
+
+def test_a_ctypes_overwrite_changes_the_completions_interpreter_only():
+    if sys.version_info[:2] == (3, 11):  # the layout the attack writes
+        assert naive(CTYPES_SLOT) == 0  # beside the tests, 0 == 3
+    result = run_sample(CTYPES_SLOT)
+    assert not result.passed and "AssertionError" in result.error, result
+
+
 def test_a_refusal_is_final_even_where_the_tests_catch_everything():
     test = ("def check(candidate):\n    try:\n        candidate()\n    except BaseException:\n"
             "        pass\n\ncheck(f)\n")
