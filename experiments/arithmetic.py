@@ -343,47 +343,27 @@ def _example_tokens(task, n_ops: int | None, n: int = 64) -> float:
 
 
 def estimate_plan(preset: dict, costs):
-    """What the preset's runs cost apart from the device (`experiments.budget`): per size and
-    K, the FLOPs of training and of scoring (probes and the final evaluation), and host
-    seconds (setup, each optimizer step, generating every token trained on or scored, the
-    majority-answer floor)."""
+    """What the preset's runs cost apart from the device (`experiments.budget.synthetic_plan`),
+    the majority-answer floor included."""
     from experiments import budget
 
-    if preset.get("accelerator", "cpu") == "cpu":
-        raise InputError(f"--estimate times a GPU preset; {preset['_path']} trains on the CPU "
-                         "(accelerator: cpu)")
-    task, seq, batch = _task(preset), preset["seq_len"], preset["batch_size"]
+    task = _task(preset)
     lo, hi = task.train_ops
     length = {n: _example_tokens(task, n) for n in preset["eval_ops"]}
     ins = [n for n in preset["eval_ops"] if lo <= n <= hi]
-    generate = costs.generate_s_per_token["arithmetic"]
-    # training windows come from `data_workers` processes beside the step (none: in its loop)
-    workers = preset.get("data_workers", 0)
-    runs = []
-    for d in preset["sizes"]:
-        n_steps = train_steps(preset, d)
-        every = preset["probe_every"]
-        probes = n_steps // every + bool(n_steps % every)  # and at the last step
-        scored = (probes * preset["probe_examples"] * sum(length[n] for n in ins)
-                  + preset["eval_examples"] * sum(length.values()))
+    evaluated = preset["eval_examples"] * sum(length.values())
+    # the floor: the most frequent of 20 000 training answers, then every evaluation example
+    floor = costs.generate_s_per_token["arithmetic"] * (
+        20_000 * _example_tokens(task, None) + evaluated)
+
+    def scoring(d: int, probes: int) -> tuple[float, int, float]:
+        scored = probes * preset["probe_examples"] * sum(length[n] for n in ins) + evaluated
         forwards = (probes * len(ins) * math.ceil(preset["probe_examples"] / 128)
                     + len(length) * math.ceil(preset["eval_examples"] / 128))
-        # the floor: the most frequent of 20 000 training answers, then every evaluation example
-        floor = 20_000 * _example_tokens(task, None) + preset["eval_examples"] * sum(
-            length.values())
-        for k in preset["ks"]:
-            shape = budget.model_shape(model_config(preset, d, k), seq)
-            tokens = n_steps * batch * seq
-            host = (costs.synthetic_run_s + n_steps * costs.step(shape.blocks)
-                    + generate * (n_steps * batch * (seq + k) / max(1, workers) + scored + floor)
-                    + forwards * costs.forward(shape.blocks))
-            runs.append(budget.RunCost(f"d={d} K={k}", len(preset["seeds"]), shape.params,
-                                       tokens, n_steps,
-                                       shape.flops_per_token * (tokens + scored / 3), host,
-                                       str(preset.get("precision", "32-true"))))
-    return budget.Plan(preset["_path"], runs, {"process start": costs.start_s},
-                       len(preset["seeds"]), planned_tests(preset["sizes"], preset["ks"]),
-                       preset.get("tokens_per_param"))
+        return scored, forwards, floor
+
+    return budget.synthetic_plan(preset, costs, "arithmetic", model_config, train_steps,
+                                 planned_tests(preset["sizes"], preset["ks"]), scoring)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -236,6 +236,39 @@ class Plan:
     notes: list[str] = field(default_factory=list)
 
 
+def synthetic_plan(preset: dict, costs: FixedCosts, kind: str, model_config, train_steps,
+                   family: int, scoring) -> Plan:
+    """The plan of a generated-task study (`kind`: ``induction`` or ``arithmetic``): per size
+    and K, the FLOPs of training and of scoring (probes and the final evaluation), and host
+    seconds (setup, each optimizer step, generating every token trained on, each forward that
+    scores). `scoring(d, probes)` gives a size's scored tokens, its scoring forwards and any
+    host seconds more of a run (the study's floor)."""
+    if preset.get("accelerator", "cpu") == "cpu":
+        raise InputError(f"--estimate times a GPU preset; {preset['_path']} trains on the CPU "
+                         "(accelerator: cpu)")
+    seq, batch = preset["seq_len"], preset["batch_size"]
+    generate = costs.generate_s_per_token[kind]
+    # training windows come from `data_workers` processes beside the step (none: in its loop)
+    workers = preset.get("data_workers", 0)
+    runs = []
+    for d in preset["sizes"]:
+        n_steps = train_steps(preset, d)
+        every = preset["probe_every"]
+        probes = n_steps // every + bool(n_steps % every)  # and at the last step
+        scored, forwards, more = scoring(d, probes)
+        for k in preset["ks"]:
+            shape = model_shape(model_config(preset, d, k), seq)
+            tokens = n_steps * batch * seq
+            host = (costs.synthetic_run_s + n_steps * costs.step(shape.blocks)
+                    + generate * (n_steps * batch * (seq + k) / max(1, workers) + scored)
+                    + forwards * costs.forward(shape.blocks) + more)
+            runs.append(RunCost(f"d={d} K={k}", len(preset["seeds"]), shape.params, tokens,
+                                n_steps, shape.flops_per_token * (tokens + scored / 3), host,
+                                str(preset.get("precision", "32-true"))))
+    return Plan(preset["_path"], runs, {"process start": costs.start_s}, len(preset["seeds"]),
+                family, preset.get("tokens_per_param"))
+
+
 @dataclass(frozen=True)
 class Estimate:
     """A plan's wall time on a device."""

@@ -320,41 +320,20 @@ def planned_tests(sizes: list[int], ks: list[int]) -> int:
 
 
 def estimate_plan(preset: dict, costs):
-    """What the preset's runs cost apart from the device (`experiments.budget`): per size and
-    K, the FLOPs of training and of scoring (probes and the final evaluation), and host
-    seconds (setup, each optimizer step, generating every token trained on or scored, the
-    context-bag floor)."""
+    """What the preset's runs cost apart from the device (`experiments.budget.synthetic_plan`),
+    the context-bag floor included."""
     from experiments import budget
 
-    if preset.get("accelerator", "cpu") == "cpu":
-        raise InputError(f"--estimate times a GPU preset; {preset['_path']} trains on the CPU "
-                         "(accelerator: cpu)")
-    seq, batch = preset["seq_len"], preset["batch_size"]
-    generate = costs.generate_s_per_token["induction"]
-    # training windows come from `data_workers` processes beside the step (none: in its loop)
-    workers = preset.get("data_workers", 0)
-    runs = []
-    for d in preset["sizes"]:
-        n_steps = train_steps(preset, d)
-        every = preset["probe_every"]
-        probes = n_steps // every + bool(n_steps % every)  # and at the last step
+    seq = preset["seq_len"]
+
+    def scoring(d: int, probes: int) -> tuple[float, int, float]:
         scored = (probes * preset["probe_seqs"] + preset["eval_seqs"]) * seq
         forwards = (probes * math.ceil(preset["probe_seqs"] / 64)
                     + math.ceil(preset["eval_seqs"] / 64))
-        for k in preset["ks"]:
-            shape = budget.model_shape(model_config(preset, d, k), seq)
-            tokens = n_steps * batch * seq
-            host = (costs.synthetic_run_s + n_steps * costs.step(shape.blocks)
-                    + generate * (n_steps * batch * (seq + k) / max(1, workers) + scored)
-                    + forwards * costs.forward(shape.blocks)
-                    + costs.bag_s_per_token * preset["eval_seqs"] * seq)
-            runs.append(budget.RunCost(f"d={d} K={k}", len(preset["seeds"]), shape.params,
-                                       tokens, n_steps,
-                                       shape.flops_per_token * (tokens + scored / 3), host,
-                                       str(preset.get("precision", "32-true"))))
-    return budget.Plan(preset["_path"], runs, {"process start": costs.start_s},
-                       len(preset["seeds"]), planned_tests(preset["sizes"], preset["ks"]),
-                       preset.get("tokens_per_param"))
+        return scored, forwards, costs.bag_s_per_token * preset["eval_seqs"] * seq
+
+    return budget.synthetic_plan(preset, costs, "induction", model_config, train_steps,
+                                 planned_tests(preset["sizes"], preset["ks"]), scoring)
 
 
 def main(argv: list[str] | None = None) -> int:
