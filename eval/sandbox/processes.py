@@ -101,11 +101,7 @@ def _kill_leftovers(owners: list[tuple[int | None, int, str]]) -> None:
             pids.append(int(entry))
         if not pids:
             return
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
+        _signal(pids, signal.SIGKILL)
         time.sleep(0.02)
 
 
@@ -248,6 +244,15 @@ class SandboxedProcess:
             return f.read().decode(errors="replace")
 
 
+def _signal(pids, sig: int) -> None:
+    """Send `sig` to each of `pids` that still exists."""
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            pass
+
+
 def _stop_trees(roots: list[int]) -> set[int]:
     """Stop (SIGSTOP) `roots` and all their descendants, scanning until none is left running:
     a stopped process cannot fork, and its children stay in the tree until it is killed."""
@@ -257,11 +262,7 @@ def _stop_trees(roots: list[int]) -> set[int]:
         pids = {p for r in roots for p in _subtree(r, table)} - stopped
         if not pids:
             break
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGSTOP)
-            except OSError:
-                pass
+        _signal(pids, signal.SIGSTOP)
         stopped |= pids
     return stopped
 
@@ -271,11 +272,7 @@ def kill_all(procs: list[SandboxedProcess]) -> list[int]:
     # Unreaped until now, their pids (the sessions' ids) cannot have been reused, so the
     # clean-up cannot hit a stranger. The trees are stopped first: a process killed before its
     # children would leave them to the host's init, out of reach of the tree.
-    for pid in _stop_trees([p.proc.pid for p in procs]):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
+    _signal(_stop_trees([p.proc.pid for p in procs]), signal.SIGKILL)
     for p in procs:
         try:
             os.killpg(p.proc.pid, signal.SIGKILL)
