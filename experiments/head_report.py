@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from experiments import curves
 from experiments.common import (
     Recorded,
     column,
@@ -51,7 +52,22 @@ def report(out: Path, preset: dict, head_types: list[str], command: str, rows: l
                       ylabel="acceptance rate (given the earlier drafts were)",
                       title=f"Per-position acceptance at K = {k_top}, by head type")
 
-    header = ["head type", "K", "params", "head-1 depth", "seeds", "next-token loss",
+    recorded = Recorded(rows)
+    vocab, per_step, fallback = vocab_and_step_tokens(recorded, preset)
+    groups = [("K = 1 baseline", base)] + [(f"{h} at K = {k}", by.get((h, str(k)), []))
+                                           for h in head_types for k in ks]
+    conv = {label: curves.convergence(label, [curves.parse(r.get("curve", "")) for r in rs])
+            for label, rs in groups if rs}
+    tpp = {label: max(int(r["steps"]) for r in rs) * per_step / int(rs[0]["params"])
+           for label, rs in groups if rs}
+    plot = curves.plot(out / "curves.png",
+                       {label: [curves.parse(r.get("curve", "")) for r in rs]
+                        for label, rs in groups if rs},
+                       ylabel="next-token validation loss (nats)",
+                       title="Learning curves by head type")
+
+    header = ["head type", "K", "params", "head-1 depth", "tokens/param", "seeds",
+              "next-token loss",
               "per seed", "L", *[f"accept {i}" for i in positions], "speedup vs own greedy",
               "speedup vs K = 1 greedy", "self-spec = greedy"]
     table = []
@@ -62,7 +78,7 @@ def report(out: Path, preset: dict, head_types: list[str], command: str, rows: l
         ident = [r["spec_identical"] for r in rs if r.get("spec_identical", "") != ""]
         table.append([
             h if k != "1" else "K = 1 baseline", k, rs[0]["params"], rs[0]["head1_depth"],
-            len(rs), pm(summarize(column(rs, "next_token_loss"))),
+            f"{tpp['K = 1 baseline' if k == '1' else f'{h} at K = {k}']:.2f}", len(rs), pm(summarize(column(rs, "next_token_loss"))),
             per_seed(rs, "next_token_loss"), pm(summarize(column(rs, "spec_L")), 2),
             *[pm(summarize(column(rs, f"accept_pos{i}")), 2) if i < int(k) else "–"
               for i in positions],
@@ -70,9 +86,7 @@ def report(out: Path, preset: dict, head_types: list[str], command: str, rows: l
             pm(summarize(column(rs, "spec_speedup_vs_k1")), 2) if k != "1" else "–",
             f"{sum(int(i) for i in ident)}/{len(ident)}" if ident else "–"])
 
-    recorded = Recorded(rows)
-    vocab, _, fallback = vocab_and_step_tokens(recorded, preset)
-    findings = _findings(by, head_types, ks, base, vocab)
+    findings = _findings(by, head_types, ks, base, vocab, conv)
     fit_min, eval_min = wall_minutes(rows)
     lines = [
         "# Head types: block, linear, Medusa and DeepSeek-V3 MTP heads",
@@ -105,6 +119,10 @@ def report(out: Path, preset: dict, head_types: list[str], command: str, rows: l
         markdown_table(header, table),
         "",
         *(["![per-position acceptance](acceptance.png)", ""] if series else []),
+        *curves.section(list(conv.values()), tpp,
+                        "Next-token validation loss (`val/next_token_loss` of `mtp fit`: the "
+                        "first `fit.trainer.limit_val_batches` validation batches every "
+                        "`fit.trainer.val_check_interval` steps)", [plot] if plot else []),
         "## Findings",
         "",
         *findings,
@@ -131,9 +149,11 @@ def planned_tests(head_types: list[str], ks: list[int]) -> int:
 
 
 def _findings(by: dict, head_types: list[str], ks: list[int], base: list[dict],
-              vocab: int | None) -> list[str]:
+              vocab: int | None, conv: dict) -> list[str]:
     """Each finding with its test: every test joins one family first, Holm's correction
-    decides them together, then they render."""
+    decides them together, then they render. `conv` holds each group's
+    `curves.Convergence` by its label (`K = 1 baseline`, `<head type> at K = <k>`): every
+    verdict says whether its groups had converged."""
     k_top = max(ks) if ks else 1
     parallel = [h for h in head_types if h != "deepseek"]
     chained = by.get(("deepseek", str(k_top)), []) if "deepseek" in head_types else []
@@ -153,13 +173,14 @@ def _findings(by: dict, head_types: list[str], ks: list[int], base: list[dict],
     if learned is not None:
         out.append(f"- Next-token loss of the K = 1 baseline against a uniform guess's loss "
                    f"(ln {vocab}; whether it learned): {learned.stat()}: "
-                   f"**{learned.verdict()}**.")
+                   f"**{learned.verdict()}**. {curves.budget(conv['K = 1 baseline'])}")
     why = why_untestable("the K = 1 baseline", learned)
     for (h, k), test in losses.items():
         rs = by[(h, str(k))]
         out.append(f"- Next-token loss, {h} heads at K = {k} vs the K = 1 baseline: "
                    f"{test.stat()}: **{judged(test, why)}** "
-                   f"(head-1 depth {rs[0]['head1_depth']} vs {base[0]['head1_depth']} blocks).")
+                   f"(head-1 depth {rs[0]['head1_depth']} vs {base[0]['head1_depth']} blocks). "
+                   + curves.budget(conv[f"{h} at K = {k}"], conv["K = 1 baseline"]))
     for h in head_types:
         rs = by.get((h, str(k_top)), [])
         if not rs or k_top < 3:
@@ -184,7 +205,8 @@ def _findings(by: dict, head_types: list[str], ks: list[int], base: list[dict],
                    f"{' → '.join(f'{v:.2f}' for v in reached)}.")
     for (h, i), test in acceptance.items():
         out.append(f"- Acceptance of draft {i}, deepseek vs {h} heads (K = {k_top}): "
-                   f"{test.stat()}: deepseek **{test.verdict()}**.")
+                   f"{test.stat()}: deepseek **{test.verdict()}**. "
+                   + curves.budget(conv[f"deepseek at K = {k_top}"], conv[f"{h} at K = {k_top}"]))
     if acceptance:
         out.append("  DeepSeek-V3 reports 85–90% acceptance for its first draft (one MTP "
                    "module, 671B parameters); the claim that a chain conditioned on its own "

@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from experiments import curves
 from experiments.common import (
     Recorded,
     column,
@@ -88,6 +89,32 @@ def report(out: Path, preset: dict, command: str, rows: list[dict], base_layers:
         cs = [summarize(column(control(k), "next_token_loss")) for k in matched]
         loss_series["K = 1 control of head 1's depth"] = (matched, [c["mean"] for c in cs],
                                                           [c["std"] for c in cs])
+    vocab, per_step, fallback = vocab_and_step_tokens(recorded, preset)
+
+    def tpp(rs: list[dict]) -> float:
+        return max(int(r["steps"]) for r in rs) * per_step / int(rs[0]["params"])
+
+    def trained(label: str, rs: list[dict]) -> curves.Convergence:
+        return curves.convergence(label, [curves.parse(r.get("curve", "")) for r in rs])
+
+    conv = {("K", k): trained(f"K = {k}", by[k]) for k in ks}
+    conv |= {("control", k): trained(f"the control of {by[k][0]['head1_depth']} blocks",
+                                     control(k)) for k in matched}
+    budget_tpp = {conv["K", k].label: tpp(by[k]) for k in ks}
+    budget_tpp |= {conv["control", k].label: tpp(control(k)) for k in matched}
+    plots = [curves.plot(out / "curves.png",
+                         {f"K = {k}": [curves.parse(r.get("curve", "")) for r in by[k]]
+                          for k in ks},
+                         ylabel="next-token validation loss (nats)",
+                         title="Learning curves by K (matched parameters)")]
+    if matched:
+        plots.append(curves.plot(
+            out / "curves_controls.png",
+            {**({"K = 1": [curves.parse(r.get("curve", "")) for r in by[1]]} if 1 in ks else {}),
+             **{f"control, {by[k][0]['head1_depth']} blocks":
+                [curves.parse(r.get("curve", "")) for r in control(k)] for k in matched}},
+            ylabel="next-token validation loss (nats)",
+            title="Learning curves of the depth-matched K = 1 controls"))
     errorbar_plot(out / "loss_vs_k.png", loss_series, xlabel="K (heads)",
                   ylabel="validation loss (nats)", logx=True,
                   title="Validation loss vs K (matched parameters)")
@@ -101,7 +128,6 @@ def report(out: Path, preset: dict, command: str, rows: list[dict], base_layers:
                   ylabel="wall-clock speedup", logx=True, hline=1.0, hline_label="greedy",
                   title="Self-speculative speedup vs K (batch 1, CPU)")
 
-    vocab, per_step, fallback = vocab_and_step_tokens(recorded, preset)
     scale = Scale(max(int(r["params"]) for rs in by.values() for r in rs),
                   max(int(r["steps"]) for rs in by.values() for r in rs) * per_step, vocab)
     # a byte-level vocabulary: one token per byte (and the end-of-text token)
@@ -112,7 +138,8 @@ def report(out: Path, preset: dict, command: str, rows: list[dict], base_layers:
         heads = " / ".join(f"{stat(k, f'loss_head{i}')['mean']:.3f}" for i in range(1, k + 1))
         ident = [r["spec_identical"] for r in rs if r.get("spec_identical", "") != ""]
         bits = summarize(v / math.log(2) for v in column(rs, "next_token_loss"))
-        table.append([k, rs[0]["params"], rs[0].get("head1_depth") or "–", len(rs),
+        table.append([k, rs[0]["params"], rs[0].get("head1_depth") or "–", f"{tpp(rs):.2f}",
+                      len(rs),
                       pm(stat(k, "next_token_loss")), per_seed(rs, "next_token_loss"),
                       *([pm(bits)] if byte_level else []), heads, pm(stat(k, "spec_L"), 2),
                       per_seed(rs, "spec_L", 2),
@@ -124,7 +151,7 @@ def report(out: Path, preset: dict, command: str, rows: list[dict], base_layers:
         c = control(k)
         depth_table.append([k, by[k][0]["head1_depth"], pm(stat(k, "next_token_loss")),
                             pm(summarize(column(c, "next_token_loss"))), c[0]["params"],
-                            per_seed(c, "next_token_loss")])
+                            f"{tpp(c):.2f}", per_seed(c, "next_token_loss")])
     fit_min, eval_min = wall_minutes(rows)
     lines = [
         "# K sweep: matched-parameter multi-token prediction",
@@ -157,7 +184,8 @@ def report(out: Path, preset: dict, command: str, rows: list[dict], base_layers:
         *(["A byte-level model: the vocabulary is the 256 bytes and the end-of-text token, "
            "so one token is one byte and bits per byte are the next-token loss / ln 2.", ""]
           if byte_level else []),
-        markdown_table(["K", "params", "head-1 depth", "seeds", "next-token loss", "per seed",
+        markdown_table(["K", "params", "head-1 depth", "tokens/param", "seeds",
+                        "next-token loss", "per seed",
                         *(["bits per byte"] if byte_level else []),
                         "loss per head (1..K, mean)", "L", "L per seed", "speedup",
                         "speedup vs K = 1 greedy", "self-spec = greedy"], table),
@@ -174,7 +202,8 @@ def report(out: Path, preset: dict, command: str, rows: list[dict], base_layers:
             "the control against the full K = 1 model the cost of the lost depth.",
             "",
             markdown_table(["K", "head-1 depth", "K's next-token loss",
-                            "control's next-token loss", "control params", "control per seed"],
+                            "control's next-token loss", "control params",
+                            "control tokens/param", "control per seed"],
                            depth_table),
             "",
         ]
@@ -182,9 +211,13 @@ def report(out: Path, preset: dict, command: str, rows: list[dict], base_layers:
         "![validation loss vs K](loss_vs_k.png) ![L vs K](L_vs_k.png) "
         "![speedup vs K](speedup_vs_k.png)",
         "",
+        *curves.section(list(conv.values()), budget_tpp,
+                        "Next-token validation loss (`val/next_token_loss` of `mtp fit`: the "
+                        "first `fit.trainer.limit_val_batches` validation batches every "
+                        "`fit.trainer.val_check_interval` steps)", [p for p in plots if p]),
         "## Which findings of the paper reproduce here",
         "",
-        *verdicts(by, ks, control, byte_level, scale),
+        *verdicts(by, ks, control, byte_level, scale, conv),
         "",
         f"Runs: {len(rows)}; {fit_min:.1f} min training + {eval_min:.1f} min evaluation (one "
         "CPU thread each). Losses, accuracies and L do not depend on machine load; timings "
@@ -198,9 +231,12 @@ def report(out: Path, preset: dict, command: str, rows: list[dict], base_layers:
     return text
 
 
-def verdicts(by: dict, ks: list[int], control, byte_level: bool, scale: Scale) -> list[str]:
+def verdicts(by: dict, ks: list[int], control, byte_level: bool, scale: Scale,
+             conv: dict) -> list[str]:
     """Each of the paper's findings the numbers can speak to, with its test: every test is
-    added to one family first, Holm's correction decides them together, then they render."""
+    added to one family first, Holm's correction decides them together, then they render.
+    `conv` holds each group's `curves.Convergence` ({("K", k) or ("control", k): ...}): every
+    verdict says whether its groups had converged."""
     multi = [k for k in ks if k > 1]
     steps = list(zip(ks, ks[1:]))
     fam = Family()
@@ -232,28 +268,35 @@ def verdicts(by: dict, ks: list[int], control, byte_level: bool, scale: Scale) -
     # -- the page
     out = [fam.criterion(), ""]
     chance = f"a uniform guess's loss (ln {scale.vocab}; whether it learned)"
+
+    def budget(*groups: tuple) -> str:
+        return curves.budget(*(conv[g] for g in groups))
+
     if 1 in ks:
         why = {1: why_untestable("the K = 1 model", learned[1])}
         out.append(f"- Next-token loss of the K = 1 model against {chance}: "
-                   f"{learned[1].stat()}: **{learned[1].verdict()}**.")
+                   f"{learned[1].stat()}: **{learned[1].verdict()}**. {budget(('K', 1))}")
         # K -> (its next-token verdict against the depth-matched control where one ran, else
         # against K = 1 at equal parameters; whether it was the control)
         against = {}
         for k in multi:
             against[k] = (judged(vs_k1[k], why[1]), False)
             out.append(f"- Next-token loss, K = {k} vs K = 1 at equal parameters: "
-                       f"{vs_k1[k].stat()}: **{against[k][0]}**.")
+                       f"{vs_k1[k].stat()}: **{against[k][0]}**. "
+                       f"{budget(('K', k), ('K', 1))}")
             if k in objective:
                 blocks = by[k][0]["head1_depth"]
                 why[k] = why_untestable(f"the K = 1 control of {blocks} blocks", learned[k])
                 against[k] = (judged(objective[k], why[k]), True)
                 out += [f"  - the K = 1 control of head 1's depth ({blocks} blocks) against "
-                        f"{chance}: {learned[k].stat()}: **{learned[k].verdict()}**.",
+                        f"{chance}: {learned[k].stat()}: **{learned[k].verdict()}**. "
+                        f"{budget(('control', k))}",
                         f"  - K = {k} against the K = 1 control of head 1's depth ({blocks} "
                         f"blocks), the objective itself: {objective[k].stat()}: "
-                        f"**{against[k][0]}**.",
+                        f"**{against[k][0]}**. {budget(('K', k), ('control', k))}",
                         f"  - the control of {blocks} blocks against the full K = 1 model, the "
-                        f"lost depth: {depth[k].stat()}: **{judged(depth[k], why[1])}**."]
+                        f"lost depth: {depth[k].stat()}: **{judged(depth[k], why[1])}**. "
+                        f"{budget(('control', k), ('K', 1))}"]
 
         by_k = {k: verdict for k, (verdict, _) in against.items()}
 
@@ -277,7 +320,8 @@ def verdicts(by: dict, ks: list[int], control, byte_level: bool, scale: Scale) -
                        f"parameters on): {scale.status(PAPER_SMALL, 'higher', by_k)}. What this "
                        f"scale shows, next-token loss: {outcomes()}.")
     for (a, b), test in lengths.items():
-        out.append(f"- L, K = {b} vs K = {a}: {test.stat()}: **{test.verdict()}**.")
+        out.append(f"- L, K = {b} vs K = {a}: {test.stat()}: **{test.verdict()}**. "
+                   f"{budget(('K', b), ('K', a))}")
     if lengths:
         ls = [summarize(column(by[k], "spec_L"))["mean"] for k in ks]
         out.append("  Paper: L of about 3.5 at K = 4 on 7B models; here "
@@ -288,7 +332,8 @@ def verdicts(by: dict, ks: list[int], control, byte_level: bool, scale: Scale) -
                 "(a different model, whose head 1 sits deeper: this compares two models, not "
                 "the paper's speedup over a model's own greedy)")
         out.append(f"- Self-speculative wall-clock speedup of K = {k} against {what}: "
-                   f"{test.stat()}: **{test.verdict('faster', 'slower')}**.")
+                   f"{test.stat()}: **{test.verdict('faster', 'slower')}**. "
+                   + budget(("K", k), *([("K", 1)] if col != "spec_speedup" and 1 in ks else [])))
     ident = [r["spec_identical"] for k in multi for r in by[k]
              if r.get("spec_identical", "") != ""]
     out.append(f"- Greedy self-speculative output equals plain greedy output in "
@@ -379,10 +424,15 @@ def scan_report(out: Path, preset: dict, command: str, by_width: dict[int, list[
                           per_seed(rs, "next_token_loss"),
                           pm(summarize(column(rs, "spec_L")), 2)])
         vocab, per_step, _ = inputs[w]
+
+        def trained(k: int) -> curves.Convergence:
+            return curves.convergence(f"K = {k}", [curves.parse(r.get("curve", ""))
+                                                   for r in rows_of(w, k)])
+
         if w in learned:
             lines_out.append(f"- d = {w}, next-token loss of K = 1 against a uniform guess's "
                              f"loss (ln {vocab}; whether it learned): {learned[w].stat()}: "
-                             f"**{learned[w].verdict()}**.")
+                             f"**{learned[w].verdict()}**. {curves.budget(trained(1))}")
         for k in multi:
             if (w, k) not in tests:
                 continue
@@ -395,7 +445,8 @@ def scan_report(out: Path, preset: dict, command: str, by_width: dict[int, list[
                              f"**{verdict}**"
                              ". Paper (at its smallest sizes multi-token prediction scores "
                              "lower): "
-                             f"{scale.status(PAPER_SMALL, 'higher', {k: verdict})}.")
+                             f"{scale.status(PAPER_SMALL, 'higher', {k: verdict})}. "
+                             + curves.budget(trained(k), trained(1)))
     for k, ds in deltas.items():
         if len(ds) > 1:
             shrinks = all(b < a for (_, a), (_, b) in zip(ds, ds[1:]))

@@ -41,7 +41,7 @@ if __package__ in (None, ""):  # run as a script, `python experiments/<study>.py
 
 import yaml  # noqa: E402
 
-from experiments import head_report, k_eval, k_report  # noqa: E402
+from experiments import curves, head_report, k_eval, k_report  # noqa: E402
 from experiments.common import (
     REPO,
     ResultsCSV,
@@ -62,11 +62,12 @@ COLUMNS = ["head_type", "K", "n_layers", "seed", "params", "steps", "head1_depth
            "acc_head1", "humaneval_pass@1", "mbpp_pass@1", "humaneval_tasks", "mbpp_tasks",
            "spec_L", *[f"accept_pos{i}" for i in range(1, MAX_K)], "greedy_ms_per_token",
            "spec_ms_per_token", "spec_speedup", "spec_identical", "k1_greedy_ms_per_token",
-           "spec_speedup_vs_k1", "fit_s", "eval_s", "git", "environment", "utc", "fit_git",
+           "spec_speedup_vs_k1", "curve", "fit_s", "eval_s", "git", "environment", "utc", "fit_git",
            "fit_cpu", "cpu", "settings"]
 """One row per run. `n_layers` is the run's `--model.n_layers`, `head1_depth` the blocks on its
 next-token path, `accept_pos{i}` the rate at which draft i was accepted given drafts 1..i - 1
-were. `fit_git` and `fit_cpu` name the revision and CPU that trained the run (recorded in its
+were. `curve` is the run's learning curve, [[step, next-token validation loss], ...] as `mtp fit`
+logged it every `val_check_interval` steps (`val/next_token_loss`). `fit_git` and `fit_cpu` name the revision and CPU that trained the run (recorded in its
 work directory when it trained: an evaluation may reuse a run trained by an earlier
 invocation), `git`, `cpu`, `environment` and `utc` what evaluated it, and `settings` (JSON) the
 settings it trained with (`training_settings`) and the evaluation settings."""
@@ -281,7 +282,8 @@ def evaluate(preset: dict, k: int, seed: int, run_dir: Path, head_type: str = "b
     # head 1's path: the trunk's blocks and those of head 1 itself
     row: dict = {"head_type": head_type, "n_layers": model.cfg.n_layers,
                  "params": model.num_params(), "steps": cfg["trainer"]["max_steps"],
-                 "head1_depth": head1_depth(model)}
+                 "head1_depth": head1_depth(model),
+                 "curve": json.dumps(validation_curve(run_dir))}
     base = None if baseline is None or k == 1 else load_checkpoint(baseline,
                                                                    device=ev["device"])[0]
     start = time.perf_counter()
@@ -297,6 +299,14 @@ def evaluate(preset: dict, k: int, seed: int, run_dir: Path, head_type: str = "b
         row[f"{bench}_pass@1"], row[f"{bench}_tasks"] = score, n
     row["eval_s"] = time.perf_counter() - start
     return row | provenance()
+
+
+def validation_curve(run_dir: Path) -> list[list[float]]:
+    """[[optimizer steps done, next-token validation loss], ...] of a run, from the
+    `val/next_token_loss` its `mtp fit` logged to TensorBoard. Lightning validates inside the
+    step before counting it, so a validation after N optimizer steps is logged at step N - 1."""
+    logged = curves.tensorboard_curve(run_dir / "tb" / "version_0", "val/next_token_loss")
+    return [[step + 1, value] for step, value in logged]
 
 
 Run = tuple[str, int, int, int | None]

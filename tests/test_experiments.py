@@ -191,7 +191,15 @@ def test_k_sweep_runs_reports_and_skips_finished_runs(tiny_corpus, tmp_path, mon
     page = (out / "README.md").read_text()
     assert "the objective itself" in page and "the lost depth" in page
     assert "Criterion of every verdict" in page
-    names = ("README.md", "loss_vs_k.png", "L_vs_k.png", "speedup_vs_k.png")
+    # each run's learning curve: the validation loss `mtp fit` logged every 2 of its 4 steps
+    for r in rows:
+        curve = json.loads(r["curve"])
+        assert [s for s, _ in curve] == [2, 4] and all(0 < v < 10 for _, v in curve)
+    assert "### Learning curves and budget" in page and "![Learning curves by K" in page
+    verdicts = [line for line in page.splitlines() if "(n = " in line or "; n = " in line]
+    assert verdicts and all("Trained: " in line for line in verdicts)
+    names = ("README.md", "loss_vs_k.png", "L_vs_k.png", "speedup_vs_k.png", "curves.png",
+             "curves_controls.png")
     written = {name: (out / name).read_bytes() for name in names}
     assert all(written.values())
     assert list((work / "hparams" / "K2-s0").glob("events.out.tfevents.*"))

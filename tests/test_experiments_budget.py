@@ -11,7 +11,7 @@ import torch
 import yaml
 from experiments_helpers import PROV, tiny_preset
 
-from experiments import arithmetic, common, induction, k_report, k_sweep, stats
+from experiments import arithmetic, common, curves, induction, k_report, k_sweep, stats
 from mtp.config import InputError, ModelConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -88,8 +88,9 @@ def _family_on_a_page(study: str, preset: dict) -> int:
                       **({"spec_speedup": str(1.1 + 0.01 * s),
                           "spec_speedup_vs_k1": str(1.2 + 0.01 * s)} if k > 1 else {}),
                       "head1_depth": "3"} for s in seeds]
+        conv = {("K", k): curves.convergence(f"K = {k}", []) for k in by}
         pages.append(m("\n".join(k_report.verdicts(by, sorted(by), lambda k: [], False,
-                                                   k_report.Scale(1000, 1000, 512)))))
+                                                   k_report.Scale(1000, 1000, 512), conv))))
     if preset.get("widths"):
         by_width = {w: [{"head_type": "block", "K": str(k), "n_layers": "8", "seed": str(s),
                          "params": "1000", "steps": "10", "head1_depth": "3",

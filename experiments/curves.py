@@ -1,0 +1,159 @@
+"""Learning curves of a study's runs, and what they say about its training budget.
+
+A run's curve is `[[optimizer step, value], ...]`: the validation loss `mtp fit` logged (the K
+sweeps, read back from the run's TensorBoard events) or a held-out probe score (the generated
+tasks). A group of runs (one per seed) has *converged* where the last `FLAT_SHARE` of its
+steps left it flat within its seed spread: the mean over seeds of each curve's change across
+that stretch (the least-squares slope through its points there, times the stretch's length) is
+no larger in size than the sample standard deviation over seeds of the curves' last values.
+Two groups compared after both converged are compared *converged*; otherwise the comparison is
+at a *fixed budget* (the steps the preset gives), and a difference may be one of speed, not of
+where training ends.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from experiments.common import curve_plot, markdown_table
+
+#: The closing share of a curve's steps that must be flat for its group to count as converged.
+FLAT_SHARE = 0.2
+
+Curve = list[list[float]]
+"""[[optimizer step, value], ...] in step order."""
+
+
+def tensorboard_curve(log_dir: Path, tag: str) -> Curve:
+    """The scalar `tag` of the TensorBoard event files under `log_dir`, [[step, value], ...]:
+    where a resumed run logged a step twice, the later value is kept."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    if tag not in events.Tags().get("scalars", []):
+        raise FileNotFoundError(f"{log_dir}: no `{tag}` scalars in its TensorBoard events")
+    by_step = {int(e.step): float(e.value) for e in events.Scalars(tag)}
+    return [[s, round(v, 5)] for s, v in sorted(by_step.items())]
+
+
+def parse(cell: str) -> Curve:
+    """A row's `curve` cell; [] where the row recorded none."""
+    return json.loads(cell) if cell else []
+
+
+def closing_change(curve: Curve, share: float = FLAT_SHARE) -> float:
+    """How much a curve moved over the last `share` of its steps: the least-squares slope
+    through its points at steps >= (1 - share) x its last step, times that stretch's length;
+    nan with fewer than two such points."""
+    if not curve:
+        return math.nan
+    start = (1 - share) * curve[-1][0]
+    pts = [(s, v) for s, v in curve if s >= start]
+    if len(pts) < 2:
+        return math.nan
+    ms = sum(s for s, _ in pts) / len(pts)
+    mv = sum(v for _, v in pts) / len(pts)
+    var = sum((s - ms) ** 2 for s, _ in pts)
+    slope = sum((s - ms) * (v - mv) for s, v in pts) / var
+    return slope * (curve[-1][0] - start)
+
+
+@dataclass(frozen=True)
+class Convergence:
+    """Whether a group's curves ended flat: `change` is the mean over seeds of each curve's
+    `closing_change`, `spread` the sample std over seeds of the curves' last values."""
+
+    label: str
+    change: float
+    spread: float
+    seeds: int
+    steps: int
+
+    @property
+    def known(self) -> bool:
+        return not (math.isnan(self.change) or math.isnan(self.spread))
+
+    @property
+    def converged(self) -> bool:
+        return self.known and abs(self.change) <= self.spread
+
+    def numbers(self, digits: int = 3) -> str:
+        return (f"{self.change:+.{digits}f} over the last {FLAT_SHARE:.0%} of its steps, seed "
+                f"spread {self.spread:.{digits}f}")
+
+    def status(self, digits: int = 3) -> str:
+        """`converged` or why not, with both numbers."""
+        if not self.known:
+            return ("not judged (fewer than 2 seeds, or fewer than 2 points in the last "
+                    f"{FLAT_SHARE:.0%} of its curve)")
+        return f"{'converged' if self.converged else 'still moving'} ({self.numbers(digits)})"
+
+
+def convergence(label: str, curves: Sequence[Curve]) -> Convergence:
+    """A group's `Convergence` from its per-seed curves (empty curves are left out)."""
+    curves = [c for c in curves if c]
+    changes = [closing_change(c) for c in curves]
+    last = [c[-1][1] for c in curves]
+    change = sum(changes) / len(changes) if curves else math.nan
+    spread = (math.sqrt(sum((v - sum(last) / len(last)) ** 2 for v in last) / (len(last) - 1))
+              if len(last) > 1 else math.nan)
+    return Convergence(label, change, spread, len(curves),
+                       max((int(c[-1][0]) for c in curves), default=0))
+
+
+def budget(*groups: Convergence, digits: int = 3) -> str:
+    """The sentence a verdict ends with: whether its groups had converged, or were compared at
+    the fixed budget of their steps."""
+    if all(g.converged for g in groups):
+        return ("Trained: converged (" + "; ".join(f"{g.label} {g.numbers(digits)}"
+                                                   for g in groups) + ").")
+    steps = " / ".join(map(str, sorted({g.steps for g in groups})))
+    return (f"Trained: at a fixed budget of {steps} steps ("
+            + "; ".join(f"{g.label} {g.status(digits)}" for g in groups if not g.converged)
+            + ").")
+
+
+def section(groups: Sequence[Convergence], tokens_per_param: dict[str, float], metric: str,
+            plots: Sequence[str], digits: int = 3) -> list[str]:
+    """A page's learning-curve section: the plots (one line per seed), then per group its
+    steps, tokens per parameter, change over the closing stretch, seed spread and status."""
+    def number(x: float, sign: str = "") -> str:
+        return "–" if math.isnan(x) else f"{x:{sign}.{digits}f}"
+
+    table = [[g.label, g.steps, f"{tokens_per_param[g.label]:.2f}", g.seeds,
+              number(g.change, "+"), number(g.spread),
+              "yes" if g.converged else "no" if g.known else "not judged"] for g in groups]
+    return [
+        "### Learning curves and budget",
+        "",
+        f"{metric}, one line per seed. A group has converged where the last "
+        f"{FLAT_SHARE:.0%} of its steps left it flat within its seed spread: the mean over "
+        "seeds of each curve's change across that stretch (least-squares slope times its "
+        "length) is no larger than the sample std over seeds of the curves' last values. Each "
+        "verdict below says whether its groups had converged or were compared at a fixed "
+        "budget. Tokens per parameter: training tokens (steps x the tokens of a step) over "
+        "all the run's parameters.",
+        "",
+        " ".join(plots),
+        "",
+        markdown_table(["group", "steps", "tokens/param", "seeds",
+                        f"change, last {FLAT_SHARE:.0%}", "seed spread", "converged"], table),
+        "",
+    ]
+
+
+def plot(path: Path, curves: dict[str, list[Curve]], *, ylabel: str, title: str,
+         hline: float | None = None, hline_label: str | None = None) -> str:
+    """`common.curve_plot` of the groups that recorded curves; the page's image link, or ""
+    where none did."""
+    curves = {label: [c for c in cs if c] for label, cs in curves.items()}
+    curves = {label: cs for label, cs in curves.items() if cs}
+    if not curves:
+        return ""
+    curve_plot(path, curves, ylabel=ylabel, title=title, hline=hline, hline_label=hline_label)
+    return f"![{title}]({path.name})"
