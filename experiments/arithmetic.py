@@ -29,6 +29,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script, `python experiments/<study>.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from experiments import curves  # noqa: E402
 from experiments.common import (  # noqa: E402 (a script puts the repository on the path first)
     NOT_RECORDED,
     Recorded,
@@ -170,9 +171,11 @@ def one_run(preset: dict, d: int, k: int, seed: int) -> dict:
             "settings": json.dumps(preset_settings(preset, PLAN))}
 
 
-def report(out: Path, command: str) -> str:
+def report(out: Path, command: str, preset: dict | None = None) -> str:
     """Write `<out>/README.md` and the PNG plots from `<out>/results.csv` alone: the settings
-    it describes are those the rows recorded."""
+    it describes are those the rows recorded (`preset` stands in only for the model and batch
+    settings of rows that recorded none, which tokens per parameter and FLOPs need, and the
+    page says so)."""
     rows = ResultsCSV(out / "results.csv", COLUMNS, KEY).rows()
     if not rows:
         raise InputError(f"no results in {out / 'results.csv'} (run the study without "
@@ -187,6 +190,8 @@ def report(out: Path, command: str) -> str:
     p, m = recorded.get("task", "p"), recorded.get("task", "m")
     uniform = f"{p ** -m:.3f}" if p and m else NOT_RECORDED
 
+    trained, tpp, flops, fallback = curves.synthetic_budget(rows, by, sizes, ks, preset,
+                                                            model_config)
     for d in sizes:
         series = {}
         for k in ks:
@@ -254,12 +259,17 @@ def report(out: Path, command: str) -> str:
                         "per seed", "exact out-of-dist", "per seed", "coef in-dist", "seeds"],
                        table),
         "",
-        *[f"![learning curves, d={d}](curves_d{d}.png) "
-          f"![accuracy by operations, d={d}](accuracy_by_ops_d{d}.png)" for d in sizes],
+        *[f"![accuracy by operations, d={d}](accuracy_by_ops_d{d}.png)" for d in sizes],
         "",
+        *([fallback, ""] if fallback else []),
+        *curves.section(list(trained.values()), tpp,
+                        "In-distribution exact match on the probe examples every `probe_every` "
+                        "steps (the out-of-distribution verdicts are judged by the same "
+                        "curve: there is no out-of-distribution probe)",
+                        [f"![learning curves, d={d}](curves_d{d}.png)" for d in sizes]),
         "## Which findings of the paper reproduce here",
         "",
-        *findings(by, sizes, ks, floor),
+        *findings(by, sizes, ks, floor, trained, flops),
         "",
         f"Runs: {len(rows)}; training wall time "
         f"{sum(column(rows, 'train_s')) / 60:.1f} min in total (one CPU thread each, learning-"
@@ -276,12 +286,21 @@ def report(out: Path, command: str) -> str:
 SPLITS = (("in", "in distribution"), ("out", "out of distribution"))
 
 
-def findings(by: dict, sizes: list[int], ks: list[int], floor: dict[str, float]) -> list[str]:
+def findings(by: dict, sizes: list[int], ks: list[int], floor: dict[str, float],
+             trained: dict | None = None, flops: dict | None = None) -> list[str]:
     """Each group against the floor of each split, each K = 1 baseline against a perfect score,
     then each K against K = 1 per size and split: every test joins one family, Holm's
     correction decides them together, then they render. A comparison tests the paper's finding
     only where its K = 1 baseline rose above the floor and stayed below a perfect score on the
-    same split."""
+    same split. `trained` holds each group's `curves.Convergence` ({(d, k): ...}): every verdict
+    says whether its groups had converged; `flops` ({d: {k: FLOPs per token}}) the compute of
+    each K."""
+    trained = trained or {}
+
+    def budget(*groups: tuple[int, int]) -> str:
+        known = [trained[g] for g in groups if g in trained]
+        return " " + curves.budget(*known) if known else ""
+
     fam = Family()
     above, below, tests = {}, {}, {}
     for d in sizes:
@@ -311,10 +330,11 @@ def findings(by: dict, sizes: list[int], ks: list[int], floor: dict[str, float])
             for k in present:
                 what = "the K = 1 baseline" if k == 1 else f"K = {k}"
                 test = above[d, k, split]
-                out.append(f"- d = {d}, {what} {where}: {test.stat()}: **{test.verdict()}**.")
+                out.append(f"- d = {d}, {what} {where}: {test.stat()}: **{test.verdict()}**."
+                           + budget((d, k)))
             out.append(f"- d = {d}, the K = 1 baseline {where} against a perfect score (room "
                        f"to improve): {below[d, split].stat()}: "
-                       f"**{below[d, split].verdict()}**.")
+                       f"**{below[d, split].verdict()}**.{budget((d, 1))}")
         for k in (k for k in present if k > 1):
             for split, where in SPLITS:
                 test = tests[d, k, split]
@@ -323,7 +343,10 @@ def findings(by: dict, sizes: list[int], ks: list[int], floor: dict[str, float])
                 verdict = "" if why else f": {test.verdict()}"
                 out.append(f"- d = {d}, K = {k} vs K = 1, {where}: {test.stat()}{verdict}. "
                            "Paper: K > 1 is more accurate: "
-                           f"**{finding(test.verdict(), 'higher', why)}**.")
+                           f"**{finding(test.verdict(), 'higher', why)}**."
+                           + budget((d, k), (d, 1)))
+            out.append(curves.compute_line(f"d = {d}", k, by[(str(d), str(k))],
+                                           by[(str(d), "1")], (flops or {}).get(d)))
     return out
 
 
@@ -394,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.report_only:
         run(preset, args.out, args.work, args.jobs)
-    print(report(args.out, command_line()))
+    print(report(args.out, command_line(), preset))
     return 0
 
 

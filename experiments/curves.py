@@ -5,7 +5,9 @@ sweeps, read back from the run's TensorBoard events) or a held-out probe score (
 tasks). A group of runs (one per seed) has *converged* where the last `FLAT_SHARE` of its
 steps left it flat within its seed spread: the mean over seeds of each curve's change across
 that stretch (the least-squares slope through its points there, times the stretch's length) is
-no larger in size than the sample standard deviation over seeds of the curves' last values.
+no larger in size than the sample standard deviation over seeds of the curves' last values, or
+than twice its own standard error (a change the seeds cannot tell from none: a group pinned at
+a bound, where every seed ends alike, has no seed spread to be flat within).
 Two groups compared after both converged are compared *converged*; otherwise the comparison is
 at a *fixed budget* (the steps the preset gives), and a difference may be one of speed, not of
 where training ends.
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from experiments.common import curve_plot, markdown_table
+from experiments.common import NOT_RECORDED, Recorded, column, curve_plot, markdown_table
 
 #: The closing share of a curve's steps that must be flat for its group to count as converged.
 FLAT_SHARE = 0.2
@@ -66,10 +68,12 @@ def closing_change(curve: Curve, share: float = FLAT_SHARE) -> float:
 @dataclass(frozen=True)
 class Convergence:
     """Whether a group's curves ended flat: `change` is the mean over seeds of each curve's
-    `closing_change`, `spread` the sample std over seeds of the curves' last values."""
+    `closing_change` and `change_se` its standard error, `spread` the sample std over seeds of
+    the curves' last values."""
 
     label: str
     change: float
+    change_se: float
     spread: float
     seeds: int
     steps: int
@@ -80,11 +84,11 @@ class Convergence:
 
     @property
     def converged(self) -> bool:
-        return self.known and abs(self.change) <= self.spread
+        return self.known and abs(self.change) <= max(self.spread, 2 * self.change_se)
 
     def numbers(self, digits: int = 3) -> str:
-        return (f"{self.change:+.{digits}f} over the last {FLAT_SHARE:.0%} of its steps, seed "
-                f"spread {self.spread:.{digits}f}")
+        return (f"{self.change:+.{digits}f} ± {self.change_se:.{digits}f} over the last "
+                f"{FLAT_SHARE:.0%} of its steps, seed spread {self.spread:.{digits}f}")
 
     def status(self, digits: int = 3) -> str:
         """`converged` or why not, with both numbers."""
@@ -98,12 +102,19 @@ def convergence(label: str, curves: Sequence[Curve]) -> Convergence:
     """A group's `Convergence` from its per-seed curves (empty curves are left out)."""
     curves = [c for c in curves if c]
     changes = [closing_change(c) for c in curves]
-    last = [c[-1][1] for c in curves]
-    change = sum(changes) / len(changes) if curves else math.nan
-    spread = (math.sqrt(sum((v - sum(last) / len(last)) ** 2 for v in last) / (len(last) - 1))
-              if len(last) > 1 else math.nan)
-    return Convergence(label, change, spread, len(curves),
+    n = len(curves)
+    change = sum(changes) / n if curves else math.nan
+    return Convergence(label, change, _std(changes) / math.sqrt(n) if n else math.nan,
+                       _std([c[-1][1] for c in curves]), n,
                        max((int(c[-1][0]) for c in curves), default=0))
+
+
+def _std(values: list[float]) -> float:
+    """The sample standard deviation; nan for fewer than two values."""
+    if len(values) < 2:
+        return math.nan
+    mean = sum(values) / len(values)
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
 
 
 def budget(*groups: Convergence, digits: int = 3) -> str:
@@ -125,8 +136,10 @@ def section(groups: Sequence[Convergence], tokens_per_param: dict[str, float], m
     def number(x: float, sign: str = "") -> str:
         return "–" if math.isnan(x) else f"{x:{sign}.{digits}f}"
 
-    table = [[g.label, g.steps, f"{tokens_per_param[g.label]:.2f}", g.seeds,
-              number(g.change, "+"), number(g.spread),
+    tpp = {label: NOT_RECORDED if math.isnan(x) else f"{x:.2f}"
+           for label, x in tokens_per_param.items()}
+    table = [[g.label, g.steps, tpp[g.label], g.seeds, number(g.change, "+"),
+              number(g.change_se), number(g.spread),
               "yes" if g.converged else "no" if g.known else "not judged"] for g in groups]
     return [
         "### Learning curves and budget",
@@ -134,7 +147,9 @@ def section(groups: Sequence[Convergence], tokens_per_param: dict[str, float], m
         f"{metric}, one line per seed. A group has converged where the last "
         f"{FLAT_SHARE:.0%} of its steps left it flat within its seed spread: the mean over "
         "seeds of each curve's change across that stretch (least-squares slope times its "
-        "length) is no larger than the sample std over seeds of the curves' last values. Each "
+        "length) is no larger than the sample std over seeds of the curves' last values, or "
+        "than twice its own standard error (a change the seeds cannot tell from none; a group "
+        "pinned at a bound has no seed spread). Each "
         "verdict below says whether its groups had converged or were compared at a fixed "
         "budget. Tokens per parameter: training tokens (steps x the tokens of a step) over "
         "all the run's parameters.",
@@ -142,7 +157,8 @@ def section(groups: Sequence[Convergence], tokens_per_param: dict[str, float], m
         " ".join(plots),
         "",
         markdown_table(["group", "steps", "tokens/param", "seeds",
-                        f"change, last {FLAT_SHARE:.0%}", "seed spread", "converged"], table),
+                        f"change, last {FLAT_SHARE:.0%}", "its std error", "seed spread",
+                        "converged"], table),
         "",
     ]
 
@@ -157,3 +173,72 @@ def plot(path: Path, curves: dict[str, list[Curve]], *, ylabel: str, title: str,
         return ""
     curve_plot(path, curves, ylabel=ylabel, title=title, hline=hline, hline_label=hline_label)
     return f"![{title}]({path.name})"
+
+
+# -- what the generated-task studies' runs trained on -------------------------------------------
+
+
+def synthetic_settings(rows: list[dict], preset: dict | None,
+                       keys: Sequence[str]) -> tuple[dict, str]:
+    """The settings `keys` of a generated-task study's runs (its model and batch: what tokens
+    per parameter and training FLOPs need), as the rows recorded them; where they recorded
+    none, from `preset` as it is today, and the sentence that says so. A key neither gives is
+    left out."""
+    recorded = Recorded(rows)
+    values = {k: recorded.get(k) for k in keys}
+    missing = [k for k, v in values.items() if v is None]
+    if not missing:
+        return values, ""
+    if preset is None:
+        return {k: v for k, v in values.items() if v is not None}, ""
+    values |= {k: preset[k] for k in missing if k in preset}
+    return values, (
+        "The rows recorded no " + ", ".join(f"`{k}`" for k in missing) + ", which tokens "
+        f"per parameter and the training FLOPs need: they are read from `{preset['_path']}` "
+        "as it is today.")
+
+
+def synthetic_budget(rows: list[dict], by: dict, sizes: list[int], ks: list[int],
+                     preset: dict | None, model_config):
+    """What a generated-task study's groups ({(d_model, K) as strings: rows}) trained on: each
+    group's `Convergence` ({(d, k): ...}) and tokens per parameter (by its label), the
+    training FLOPs per token of each width and K ({d: {k: flops}}, {} where the settings are
+    not known; `model_config(settings, d, k)` is the study's model) and the page's note on
+    settings read from the preset file."""
+    from experiments.budget import model_shape
+
+    settings, fallback = synthetic_settings(
+        rows, preset, ("task", "n_layers", "head_dim", "seq_len", "batch_size"))
+    known = len(settings) == 5
+    trained, tpp, flops = {}, {}, {}
+    for d in sizes:
+        for k in ks:
+            rs = by.get((str(d), str(k)), [])
+            if not rs:
+                continue
+            label = f"d = {d}, K = {k}"
+            trained[d, k] = convergence(label, [parse(r["curve"]) for r in rs])
+            tpp[label] = (int(rs[0]["steps"]) * settings["batch_size"] * settings["seq_len"]
+                          / int(rs[0]["params"]) if known else math.nan)
+            if known:
+                flops.setdefault(d, {})[k] = model_shape(model_config(settings, d, k),
+                                                         settings["seq_len"]).flops_per_token
+    return trained, tpp, flops, fallback
+
+
+def compute_line(where: str, k: int, rows_k: list[dict], rows_1: list[dict],
+                 flops: dict[int, float] | None) -> str:
+    """Whether K's runs had the compute of the K = 1 baseline's at `where` (a description):
+    their parameters, training FLOPs per token (`flops`: K -> `MTPTransformer
+    .flops_per_token`, None where not recorded) and training wall time, as ratios."""
+    params = int(rows_k[0]["params"]) / int(rows_1[0]["params"])
+    seconds = (sum(column(rows_k, "train_s")) / len(rows_k)) / (
+        sum(column(rows_1, "train_s")) / len(rows_1))
+    per_token = (f"{flops[k] / flops[1]:.2f}x the training FLOPs per token "
+                 "(`MTPTransformer.flops_per_token`), " if flops else "")
+    matched = abs(params - 1) < 0.01 and (not flops or abs(flops[k] / flops[1] - 1) < 0.01)
+    return (f"- {where}, compute of K = {k} against the K = 1 baseline (a description, not a "
+            f"test): {params:.2f}x the parameters, {per_token}{seconds:.2f}x the training wall "
+            "time (mean over seeds, one CPU thread each) for the same steps and tokens: "
+            + ("compute-matched." if matched else "**not compute-matched**: K = "
+               f"{k} spends more compute on the same data, the extra head's."))

@@ -28,6 +28,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script, `python experiments/<study>.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from experiments import curves  # noqa: E402
 from experiments.common import (  # noqa: E402 (a script puts the repository on the path first)
     Recorded,
     ResultsCSV,
@@ -157,9 +158,11 @@ def one_run(preset: dict, d: int, k: int, seed: int) -> dict:
             "settings": json.dumps(preset_settings(preset, PLAN))}
 
 
-def report(out: Path, command: str) -> str:
+def report(out: Path, command: str, preset: dict | None = None) -> str:
     """Write `<out>/README.md` and its plots from `<out>/results.csv` alone: the settings it
-    describes are those the rows recorded."""
+    describes are those the rows recorded (`preset` stands in only for the model and batch
+    settings of rows that recorded none, which tokens per parameter and FLOPs need, and the
+    page says so)."""
     rows = ResultsCSV(out / "results.csv", COLUMNS, KEY).rows()
     if not rows:
         raise InputError(f"no results in {out / 'results.csv'} (run the study without "
@@ -183,6 +186,8 @@ def report(out: Path, command: str) -> str:
                   ylabel="copy accuracy (head 1)", logx=True, hline=floor,
                   hline_label="context-bag floor (no induction)",
                   title="Induction: accuracy on copyable name tokens")
+    trained, tpp, flops, fallback = curves.synthetic_budget(rows, by, sizes, ks, preset,
+                                                            model_config)
     for d in sizes:
         curve_plot(out / f"curves_d{d}.png",
                    {f"K = {k}": [json.loads(r["curve"]) for r in by.get((str(d), str(k)), [])]
@@ -238,11 +243,13 @@ def report(out: Path, command: str) -> str:
         "",
         "![copy accuracy vs width](induction_accuracy.png)",
         "",
-        *[f"![learning curves, d={d}](curves_d{d}.png)" for d in sizes],
-        "",
+        *([fallback, ""] if fallback else []),
+        *curves.section(list(trained.values()), tpp,
+                        "Copy accuracy on the probe set every `probe_every` steps",
+                        [f"![learning curves, d={d}](curves_d{d}.png)" for d in sizes]),
         "## Which findings of the paper reproduce here",
         "",
-        *findings(by, sizes, ks, floor),
+        *findings(by, sizes, ks, floor, trained, flops),
         "",
         f"Runs: {len(rows)}; training wall time {sum(column(rows, 'train_s')) / 60:.1f} min in "
         "total (one CPU thread each, learning-curve probes excluded).",
@@ -255,11 +262,20 @@ def report(out: Path, command: str) -> str:
     return text
 
 
-def findings(by: dict, sizes: list[int], ks: list[int], floor: float) -> list[str]:
+def findings(by: dict, sizes: list[int], ks: list[int], floor: float,
+             trained: dict | None = None, flops: dict | None = None) -> list[str]:
     """Each group against the floor, each K = 1 baseline against perfect copying, then K = 2
     against K = 1 per size: every test joins one family, Holm's correction decides them
     together, then they render. A comparison tests the paper's finding only where its K = 1
-    baseline rose above the floor and stayed below perfect copying."""
+    baseline rose above the floor and stayed below perfect copying. `trained` holds each
+    group's `curves.Convergence` ({(d, k): ...}): every verdict says whether its groups had
+    converged; `flops` ({d: {k: FLOPs per token}}) the compute of each K."""
+    trained = trained or {}
+
+    def budget(*groups: tuple[int, int]) -> str:
+        known = [trained[g] for g in groups if g in trained]
+        return " " + curves.budget(*known) if known else ""
+
     fam = Family()
     above, below, tests = {}, {}, {}
     for d in sizes:
@@ -291,9 +307,9 @@ def findings(by: dict, sizes: list[int], ks: list[int], floor: float) -> list[st
             what = "the K = 1 baseline" if k == 1 else f"K = {k}"
             out.append(f"- d = {d}, {what}: {above[d, k].stat()}: **{above[d, k].verdict()}**; "
                        f"{sum(copying(a, floor) for a in column(rs, 'copy_acc'))} of {len(rs)} "
-                       "runs copy.")
+                       f"runs copy.{budget((d, k))}")
         out.append(f"- d = {d}, the K = 1 baseline against perfect copying (room to improve): "
-                   f"{below[d].stat()}: **{below[d].verdict()}**.")
+                   f"{below[d].stat()}: **{below[d].verdict()}**.{budget((d, 1))}")
         emerged = []
         for k in present:
             steps = [emergence_step(json.loads(r["curve"]), floor) for r in by[(str(d), str(k))]]
@@ -308,7 +324,10 @@ def findings(by: dict, sizes: list[int], ks: list[int], floor: float) -> list[st
             test = tests[d, k]
             verdict = "" if why else f": {test.verdict()}"
             out.append(f"- d = {d}, K = {k} vs K = 1: {test.stat()}{verdict}. Paper: K = 2 "
-                       f"copies better: **{finding(test.verdict(), 'higher', why)}**.")
+                       f"copies better: **{finding(test.verdict(), 'higher', why)}**."
+                       f"{budget((d, k), (d, 1))}")
+            out.append(curves.compute_line(f"d = {d}", k, by[(str(d), str(k))],
+                                           by[(str(d), "1")], (flops or {}).get(d)))
     return out
 
 
@@ -364,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.report_only:
         run(preset, args.out, args.work, args.jobs)
-    print(report(args.out, command_line()))
+    print(report(args.out, command_line(), preset))
     return 0
 
 

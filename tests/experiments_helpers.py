@@ -1,6 +1,7 @@
 """What the experiments tests share: a tiny K-sweep preset, made-up K-sweep rows and the
-provenance columns of a made-up row."""
+provenance columns of a made-up row, and a CSV writer."""
 
+import csv
 from pathlib import Path
 
 import yaml
@@ -43,3 +44,12 @@ def synthetic_rows(out: Path, losses: dict[int, list[float]]) -> None:
                           "spec_L": 1.0 + 0.1 * k, "spec_identical": 1, "spec_speedup": 1.1,
                           "fit_s": 1, "eval_s": 1, "git": "abc1234", "environment": "here",
                           "utc": "2026-12-02 00:00"})
+
+
+def write_csv(path: Path, columns: list[str], rows: list[dict]) -> None:
+    """A results.csv of the given rows under `columns`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=columns)
+        w.writeheader()
+        w.writerows(rows)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from experiments_helpers import PROV, synthetic_rows, tiny_preset
+from experiments_helpers import PROV, synthetic_rows, tiny_preset, write_csv
 
 from experiments import arithmetic, common, induction, k_report, k_sweep, stats
 from mtp.config import InputError, ModelConfig
@@ -39,14 +39,6 @@ def test_summarize_matches_numpy():
     assert s["std"] == pytest.approx(np.std(xs, ddof=1))
 
 
-def _write_csv(path: Path, columns: list[str], rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=columns)
-        w.writeheader()
-        w.writerows(rows)
-
-
 def _line(page: str, *parts: str) -> str:
     return next(x for x in page.splitlines() if all(p in x for p in parts))
 
@@ -64,7 +56,7 @@ def test_induction_report_checks_floor_and_ceiling_counts_copying_runs_and_compu
              "curve": json.dumps([[100, 0.3], [200, a if a > 0.9 else 0.4], [300, a]]),
              "train_s": 1.0, **PROV}
             for (d, k), accs in acc.items() for s, a in enumerate(accs)]
-    _write_csv(tmp_path / "results.csv", induction.COLUMNS, rows)
+    write_csv(tmp_path / "results.csv", induction.COLUMNS, rows)
     page = induction.report(tmp_path, "cmd")
     for name in ("induction_accuracy.png", "curves_d32.png", "curves_d64.png"):
         assert (tmp_path / name).stat().st_size > 0
@@ -108,7 +100,7 @@ def test_arithmetic_report_checks_the_floor_of_each_split_and_computes_verdicts(
              "coef_acc_out": 0.3, "acc_by_ops": json.dumps({1: a, 2: a, 3: 0.1}),
              "floor_in": 0.08, "floor_out": 0.09, "curve": json.dumps([[5, 0.1], [10, a]]),
              "train_s": 1.0, **PROV} for k, accs in acc.items() for s, a in enumerate(accs)]
-    _write_csv(tmp_path / "results.csv", arithmetic.COLUMNS, rows)
+    write_csv(tmp_path / "results.csv", arithmetic.COLUMNS, rows)
     page = arithmetic.report(tmp_path, "cmd")
     for name in ("accuracy_by_ops_d64.png", "curves_d64.png"):
         assert (tmp_path / name).stat().st_size > 0
@@ -126,7 +118,7 @@ def test_arithmetic_report_checks_the_floor_of_each_split_and_computes_verdicts(
     # nobody learned: nothing is testable
     for r in rows:
         r["acc_in"] = 0.08
-    _write_csv(tmp_path / "results.csv", arithmetic.COLUMNS, rows)
+    write_csv(tmp_path / "results.csv", arithmetic.COLUMNS, rows)
     page = arithmetic.report(tmp_path, "cmd")
     assert "**not shown above the majority-answer floor**" in _line(
         page, "the K = 1 baseline in distribution:")

@@ -74,7 +74,8 @@ def _family_on_a_page(study: str, preset: dict) -> int:
                     a = 0.5 + 0.01 * s + 0.001 * k
                     rows.append({"d_model": str(d), "K": str(k), "seed": str(s),
                                  "copy_acc": str(a), "acc_in": str(a), "acc_out": str(a / 2),
-                                 "curve": json.dumps([[10, a]])})
+                                 "curve": json.dumps([[10, a]]), "params": "1000",
+                                 "train_s": "1"})
         by = common.group(rows, ["d_model", "K"])
         floor = 0.1 if study == "induction" else {"in": 0.1, "out": 0.05}
         return m("\n".join(_study_module(study).findings(by, preset["sizes"], preset["ks"],
