@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 from experiments.common import NOT_RECORDED, Recorded, column, curve_plot, markdown_table
 
@@ -43,9 +43,9 @@ def tensorboard_curve(log_dir: Path, tag: str) -> Curve:
     return [[s, round(v, 5)] for s, v in sorted(by_step.items())]
 
 
-def parse(cell: str) -> Curve:
-    """A row's `curve` cell; [] where the row recorded none."""
-    return json.loads(cell) if cell else []
+def of(rows: Sequence[dict]) -> list[Curve]:
+    """The rows' `curve` cells; [] for a row that recorded none."""
+    return [json.loads(r["curve"]) if r.get("curve") else [] for r in rows]
 
 
 def closing_change(curve: Curve, share: float = FLAT_SHARE) -> float:
@@ -217,7 +217,7 @@ def synthetic_budget(rows: list[dict], by: dict, sizes: list[int], ks: list[int]
             if not rs:
                 continue
             label = f"d = {d}, K = {k}"
-            trained[d, k] = convergence(label, [parse(r["curve"]) for r in rs])
+            trained[d, k] = convergence(label, of(rs))
             tpp[label] = (int(rs[0]["steps"]) * settings["batch_size"] * settings["seq_len"]
                           / int(rs[0]["params"]) if known else math.nan)
             if known:

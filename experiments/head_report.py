@@ -56,13 +56,10 @@ def report(out: Path, preset: dict, head_types: list[str], command: str, rows: l
     vocab, per_step, fallback = vocab_and_step_tokens(recorded, preset)
     groups = [("K = 1 baseline", base)] + [(f"{h} at K = {k}", by.get((h, str(k)), []))
                                            for h in head_types for k in ks]
-    conv = {label: curves.convergence(label, [curves.parse(r.get("curve", "")) for r in rs])
-            for label, rs in groups if rs}
+    conv = {label: curves.convergence(label, curves.of(rs)) for label, rs in groups if rs}
     tpp = {label: max(int(r["steps"]) for r in rs) * per_step / int(rs[0]["params"])
            for label, rs in groups if rs}
-    plot = curves.plot(out / "curves.png",
-                       {label: [curves.parse(r.get("curve", "")) for r in rs]
-                        for label, rs in groups if rs},
+    plot = curves.plot(out / "curves.png", {label: curves.of(rs) for label, rs in groups if rs},
                        ylabel="next-token validation loss (nats)",
                        title="Learning curves by head type")
 
@@ -78,7 +75,8 @@ def report(out: Path, preset: dict, head_types: list[str], command: str, rows: l
         ident = [r["spec_identical"] for r in rs if r.get("spec_identical", "") != ""]
         table.append([
             h if k != "1" else "K = 1 baseline", k, rs[0]["params"], rs[0]["head1_depth"],
-            f"{tpp['K = 1 baseline' if k == '1' else f'{h} at K = {k}']:.2f}", len(rs), pm(summarize(column(rs, "next_token_loss"))),
+            f"{tpp['K = 1 baseline' if k == '1' else f'{h} at K = {k}']:.2f}", len(rs),
+            pm(summarize(column(rs, "next_token_loss"))),
             per_seed(rs, "next_token_loss"), pm(summarize(column(rs, "spec_L")), 2),
             *[pm(summarize(column(rs, f"accept_pos{i}")), 2) if i < int(k) else "–"
               for i in positions],

@@ -95,24 +95,22 @@ def report(out: Path, preset: dict, command: str, rows: list[dict], base_layers:
         return max(int(r["steps"]) for r in rs) * per_step / int(rs[0]["params"])
 
     def trained(label: str, rs: list[dict]) -> curves.Convergence:
-        return curves.convergence(label, [curves.parse(r.get("curve", "")) for r in rs])
+        return curves.convergence(label, curves.of(rs))
 
     conv = {("K", k): trained(f"K = {k}", by[k]) for k in ks}
     conv |= {("control", k): trained(f"the control of {by[k][0]['head1_depth']} blocks",
                                      control(k)) for k in matched}
     budget_tpp = {conv["K", k].label: tpp(by[k]) for k in ks}
     budget_tpp |= {conv["control", k].label: tpp(control(k)) for k in matched}
-    plots = [curves.plot(out / "curves.png",
-                         {f"K = {k}": [curves.parse(r.get("curve", "")) for r in by[k]]
-                          for k in ks},
+    plots = [curves.plot(out / "curves.png", {f"K = {k}": curves.of(by[k]) for k in ks},
                          ylabel="next-token validation loss (nats)",
                          title="Learning curves by K (matched parameters)")]
     if matched:
         plots.append(curves.plot(
             out / "curves_controls.png",
-            {**({"K = 1": [curves.parse(r.get("curve", "")) for r in by[1]]} if 1 in ks else {}),
+            {**({"K = 1": curves.of(by[1])} if 1 in ks else {}),
              **{f"control, {by[k][0]['head1_depth']} blocks":
-                [curves.parse(r.get("curve", "")) for r in control(k)] for k in matched}},
+                curves.of(control(k)) for k in matched}},
             ylabel="next-token validation loss (nats)",
             title="Learning curves of the depth-matched K = 1 controls"))
     errorbar_plot(out / "loss_vs_k.png", loss_series, xlabel="K (heads)",
@@ -426,8 +424,7 @@ def scan_report(out: Path, preset: dict, command: str, by_width: dict[int, list[
         vocab, per_step, _ = inputs[w]
 
         def trained(k: int) -> curves.Convergence:
-            return curves.convergence(f"K = {k}", [curves.parse(r.get("curve", ""))
-                                                   for r in rows_of(w, k)])
+            return curves.convergence(f"K = {k}", curves.of(rows_of(w, k)))
 
         if w in learned:
             lines_out.append(f"- d = {w}, next-token loss of K = 1 against a uniform guess's "

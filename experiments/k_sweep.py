@@ -66,11 +66,12 @@ COLUMNS = ["head_type", "K", "n_layers", "seed", "params", "steps", "head1_depth
            "fit_cpu", "cpu", "settings"]
 """One row per run. `n_layers` is the run's `--model.n_layers`, `head1_depth` the blocks on its
 next-token path, `accept_pos{i}` the rate at which draft i was accepted given drafts 1..i - 1
-were. `curve` is the run's learning curve, [[step, next-token validation loss], ...] as `mtp fit`
-logged it every `val_check_interval` steps (`val/next_token_loss`). `fit_git` and `fit_cpu` name the revision and CPU that trained the run (recorded in its
-work directory when it trained: an evaluation may reuse a run trained by an earlier
-invocation), `git`, `cpu`, `environment` and `utc` what evaluated it, and `settings` (JSON) the
-settings it trained with (`training_settings`) and the evaluation settings."""
+were. `curve` is the run's learning curve, [[step, next-token validation loss], ...] as `mtp
+fit` logged it every `val_check_interval` steps (`val/next_token_loss`). `fit_git` and
+`fit_cpu` name the revision and CPU that trained the run (recorded in its work directory when it
+trained: an evaluation may reuse a run trained by an earlier invocation), `git`, `cpu`,
+`environment` and `utc` what evaluated it, and `settings` (JSON) the settings it trained with
+(`training_settings`) and the evaluation settings."""
 KEY = ["head_type", "K", "n_layers", "seed"]
 #: Heads that are blocks, into which matched parameters move trunk blocks.
 BLOCK_HEADS = ("block", "deepseek")
