@@ -5,9 +5,10 @@ sweeps, read back from the run's TensorBoard events) or a held-out probe score (
 tasks). A group of runs (one per seed) has *converged* where the last `FLAT_SHARE` of its
 steps left it flat within its seed spread: the mean over seeds of each curve's change across
 that stretch (the least-squares slope through its points there, times the stretch's length) is
-no larger in size than the sample standard deviation over seeds of the curves' last values, or
-than twice its own standard error (a change the seeds cannot tell from none: a group pinned at
-a bound, where every seed ends alike, has no seed spread to be flat within).
+no larger in size than the sample standard deviation over seeds of the curves' last values, and
+no larger than twice its own standard error: a change the seeds cannot tell from none. A loss
+still falling by much more than its standard error has not converged, however far apart the
+seeds end.
 Two groups compared after both converged are compared *converged*; otherwise the comparison is
 at a *fixed budget* (the steps the preset gives), and a difference may be one of speed, not of
 where training ends.
@@ -84,7 +85,7 @@ class Convergence:
 
     @property
     def converged(self) -> bool:
-        return self.known and abs(self.change) <= max(self.spread, 2 * self.change_se)
+        return self.known and abs(self.change) <= min(self.spread, 2 * self.change_se)
 
     def numbers(self, digits: int = 3) -> str:
         return (f"{self.change:+.{digits}f} ± {self.change_se:.{digits}f} over the last "
@@ -147,9 +148,9 @@ def section(groups: Sequence[Convergence], tokens_per_param: dict[str, float], m
         f"{metric}, one line per seed. A group has converged where the last "
         f"{FLAT_SHARE:.0%} of its steps left it flat within its seed spread: the mean over "
         "seeds of each curve's change across that stretch (least-squares slope times its "
-        "length) is no larger than the sample std over seeds of the curves' last values, or "
-        "than twice its own standard error (a change the seeds cannot tell from none; a group "
-        "pinned at a bound has no seed spread). Each "
+        "length) is no larger than the sample std over seeds of the curves' last values, and "
+        "no larger than twice its own standard error (a change the seeds cannot tell from "
+        "none). Each "
         "verdict below says whether its groups had converged or were compared at a fixed "
         "budget. Tokens per parameter: training tokens (steps x the tokens of a step) over "
         "all the run's parameters.",
