@@ -27,6 +27,14 @@ from experiments.common import NOT_RECORDED, Recorded, column, curve_plot, markd
 #: The closing share of a curve's steps that must be flat for its group to count as converged.
 FLAT_SHARE = 0.2
 
+#: What a K-sweep run's curve measures, as its page says.
+FIT_METRIC = (
+    "Next-token validation loss as `mtp fit` logged it (`val/next_token_loss`) every "
+    "`fit.trainer.val_check_interval` steps, on its first `fit.trainer.limit_val_batches` "
+    "validation batches: fewer windows than the tables score (the first `eval.val_windows`), "
+    "and the validation text is uneven, so the curves sit at another level than the tables' "
+    "loss; their shape is what decides convergence")
+
 Curve = list[list[float]]
 """[[optimizer step, value], ...] in step order."""
 

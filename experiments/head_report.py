@@ -118,9 +118,7 @@ def report(out: Path, preset: dict, head_types: list[str], command: str, rows: l
         "",
         *(["![per-position acceptance](acceptance.png)", ""] if series else []),
         *curves.section(list(conv.values()), tpp,
-                        "Next-token validation loss (`val/next_token_loss` of `mtp fit`: the "
-                        "first `fit.trainer.limit_val_batches` validation batches every "
-                        "`fit.trainer.val_check_interval` steps)", [plot] if plot else []),
+                        curves.FIT_METRIC, [plot] if plot else []),
         "## Findings",
         "",
         *findings,

@@ -210,9 +210,7 @@ def report(out: Path, preset: dict, command: str, rows: list[dict], base_layers:
         "![speedup vs K](speedup_vs_k.png)",
         "",
         *curves.section(list(conv.values()), budget_tpp,
-                        "Next-token validation loss (`val/next_token_loss` of `mtp fit`: the "
-                        "first `fit.trainer.limit_val_batches` validation batches every "
-                        "`fit.trainer.val_check_interval` steps)", [p for p in plots if p]),
+                        curves.FIT_METRIC, [p for p in plots if p]),
         "## Which findings of the paper reproduce here",
         "",
         *verdicts(by, ks, control, byte_level, scale, conv),
