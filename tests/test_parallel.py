@@ -49,8 +49,9 @@ def _fsdp_worker(rank, world, state, inputs, targets, accumulate, out_path):
 
 
 # deepseek: chained heads (and a head 1 with no parameters) through the sequential pass's
-# backward sweep, each module gathered for its turn
-@pytest.mark.parametrize("head_type,accumulate", [("block", 1), ("deepseek", 2)])
+# backward sweep, each module gathered for its turn; medusa1: residual heads on the normalised
+# trunk output, which the heads share
+@pytest.mark.parametrize("head_type,accumulate", [("block", 1), ("deepseek", 2), ("medusa1", 1)])
 def test_fsdp_gradients_equal_single_process_naive(tmp_path, head_type, accumulate):
     """Two gloo ranks, each head its own sharded unit: the mean of the ranks' gradients equals
     the naive pass over the whole batch on one process (fp32, 1e-5)."""
