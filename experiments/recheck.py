@@ -19,7 +19,10 @@ the page against the result:
   measured far below the paper's scale and on another measure, are `not testable at this
   scale`;
 - no bold higher / lower / faster / slower / reproduced / contradicted stands on a line left
-  unchecked.
+  unchecked;
+- the learning-curve table (steps, tokens per parameter, each group's closing change, its
+  standard error, seed spread and convergence) recomputes from the runs' curves, and every
+  test's line says whether its groups had converged, truthfully (`experiments/recheck_budget.py`).
 
 Exit status 1 lists every problem; 0 prints one line per page.
 """
@@ -338,7 +341,9 @@ def check_page(name: str, tests: list[Expect], objective: dict[int, Expect] | No
 
 def check_all() -> dict[str, list[str]]:
     """Every committed study page -> its problems."""
-    return {name: check_page(name, tests, objective)
+    from experiments import recheck_budget
+
+    return {name: check_page(name, tests, objective) + recheck_budget.check(name, REPORTS)
             for name, (tests, objective) in pages().items()}
 
 

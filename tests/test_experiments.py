@@ -420,7 +420,7 @@ def test_the_recheck_catches_an_unsupported_verdict(tmp_path, monkeypatch):
     monkeypatch.setattr(recheck, "REPORTS", tmp_path / "reports")
     edits = {
         "head_types": ("Acceptance of draft 2, deepseek vs linear heads",
-                       "deepseek **not distinguishable**", "deepseek **higher**"),
+                       "deepseek **higher**", "deepseek **lower**"),
         "arithmetic": ("K = 4 vs K = 1, out of distribution", "n = 5 vs 5). Paper",
                        "n = 5 vs 5): higher. Paper"),
         "bytes": ("byte-level models gain the most", "**not testable at this scale**",

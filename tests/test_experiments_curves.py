@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import numpy as np
 import pytest
@@ -111,3 +112,31 @@ def test_generated_task_pages_give_curves_budget_and_compute(tmp_path, study):
     assert "training FLOPs" not in next(line for line in bare.splitlines()
                                         if "compute of K = 2" in line)
 
+
+@pytest.mark.parametrize("study", ["k_sweep", "bytes", "head_types", "induction", "arithmetic"])
+def test_every_committed_page_states_a_budget_that_recomputes(study):
+    from experiments import recheck_budget
+
+    assert recheck_budget.check(study, recheck_budget.REPO / "experiments" / "reports") == []
+
+
+def test_the_budget_recheck_catches_a_wrong_table_or_clause(tmp_path):
+    from experiments import recheck_budget
+
+    shutil.copytree(recheck_budget.REPO / "experiments" / "reports" / "induction",
+                    tmp_path / "induction")
+    page = tmp_path / "induction" / "README.md"
+    text = page.read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| d = 32, K = 1 |"))
+    flipped = row.replace("| yes |", "| no |") if "| yes |" in row else row.replace("| no |",
+                                                                                 "| yes |")
+    page.write_text(text.replace(row, flipped))
+    problems = recheck_budget.check("induction", tmp_path)
+    assert any("d = 32, K = 1: converged" in p for p in problems), problems
+    # a verdict that calls a group converged when it is not, or that drops its budget
+    moving = next(line for line in text.splitlines() if "Trained: at a fixed budget" in line)
+    page.write_text(text.replace(moving, moving.replace("Trained: at a fixed budget of 2000 steps",
+                                                        "Trained: converged")))
+    assert any("wrongly" in p for p in recheck_budget.check("induction", tmp_path))
+    page.write_text(text.replace(moving, moving[:moving.index(" Trained: ")]))
+    assert any("without its budget" in p for p in recheck_budget.check("induction", tmp_path))
