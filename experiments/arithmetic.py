@@ -207,7 +207,7 @@ def report(out: Path, command: str, preset: dict | None = None) -> str:
                       ylabel="exact-match accuracy",
                       title=f"Polynomial arithmetic, d_model = {d}")
         curve_plot(out / f"curves_d{d}.png",
-                   {f"K = {k}": [json.loads(r["curve"]) for r in by.get((str(d), str(k)), [])]
+                   {f"K = {k}": curves.of(by.get((str(d), str(k)), []))
                     for k in ks},
                    ylabel="exact match, in distribution (held-out probe)",
                    title=f"Learning curves, d_model = {d}, one line per seed",

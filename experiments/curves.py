@@ -22,7 +22,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from experiments.common import NOT_RECORDED, Recorded, column, curve_plot, markdown_table
+from experiments.common import (
+    NOT_RECORDED,
+    Recorded,
+    column,
+    curve_plot,
+    markdown_table,
+    summarize,
+)
 
 #: The closing share of a curve's steps that must be flat for its group to count as converged.
 FLAT_SHARE = 0.2
@@ -111,19 +118,11 @@ def convergence(label: str, curves: Sequence[Curve]) -> Convergence:
     """A group's `Convergence` from its per-seed curves (empty curves are left out)."""
     curves = [c for c in curves if c]
     changes = [closing_change(c) for c in curves]
-    n = len(curves)
-    change = sum(changes) / n if curves else math.nan
-    return Convergence(label, change, _std(changes) / math.sqrt(n) if n else math.nan,
-                       _std([c[-1][1] for c in curves]), n,
+    # a curve too short to judge leaves its whole group unjudged
+    moved = summarize([] if any(map(math.isnan, changes)) else changes)
+    return Convergence(label, moved["mean"], moved["std"] / math.sqrt(max(1, moved["n"])),
+                       summarize(c[-1][1] for c in curves)["std"], len(curves),
                        max((int(c[-1][0]) for c in curves), default=0))
-
-
-def _std(values: list[float]) -> float:
-    """The sample standard deviation; nan for fewer than two values."""
-    if len(values) < 2:
-        return math.nan
-    mean = sum(values) / len(values)
-    return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
 
 
 def budget(*groups: Convergence, digits: int = 3) -> str:

@@ -190,7 +190,7 @@ def report(out: Path, command: str, preset: dict | None = None) -> str:
                                                             model_config)
     for d in sizes:
         curve_plot(out / f"curves_d{d}.png",
-                   {f"K = {k}": [json.loads(r["curve"]) for r in by.get((str(d), str(k)), [])]
+                   {f"K = {k}": curves.of(by.get((str(d), str(k)), []))
                     for k in ks},
                    ylabel="copy accuracy (held-out probe)",
                    title=f"Learning curves, d_model = {d}, one line per seed", hline=floor,
