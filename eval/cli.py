@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run ``mtp eval``; returns the exit status (2 on bad input)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    from mtp.config import UserError
+    from mtp.util.errors import UserError
 
     try:
         with ExitStack() as held:  # what the run holds until it ends: its --output
@@ -202,7 +202,7 @@ def _run(args: argparse.Namespace, held: ExitStack) -> int:
         if path is not None and not Path(path).exists():
             raise DataError(f"{flag} {path} does not exist")
         if path is not None and Path(path).is_dir():
-            from mtp.hf import MTP_CONFIG, is_export
+            from mtp.model.checkpoint import MTP_CONFIG, is_export
 
             if not is_export(path):
                 raise DataError(f"{flag} {path} is a directory but not an mtp export (no "

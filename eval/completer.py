@@ -5,9 +5,11 @@ from __future__ import annotations
 import torch
 from mtp.eval.chat import ChatTemplate
 
-from mtp.decoding import DecodeRequest, DecodeStats, generate
+from mtp.decoding.generation import generate
+from mtp.decoding.request import DecodeRequest
+from mtp.decoding.stats import DecodeStats
 from mtp.decoding.stopper import Stop
-from mtp.model import MTPTransformer
+from mtp.model.transformer import MTPTransformer
 
 __all__ = ["ModelCompleter", "load_completer"]
 
@@ -26,7 +28,7 @@ class ModelCompleter:
         batch_size: int = 16,
         **decode_kwargs,
     ) -> None:
-        from mtp.vocab import eot_id
+        from mtp.model.vocab import eot_id
 
         self.model, self.tokenizer, self.decoder = model, tokenizer, decoder
         self.draft_model, self.batch_size = draft_model, batch_size
@@ -115,7 +117,7 @@ def load_completer(
     Raises:
         RequestError: the decoder does not suit the checkpoints (`mtp.decoding.DecodeRequest`).
     """
-    from mtp.checkpoint import load_checkpoint
+    from mtp.model.checkpoint import load_checkpoint
 
     request = DecodeRequest(decoder=decoder, **decode_kwargs)
     request.check()

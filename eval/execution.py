@@ -34,7 +34,7 @@ from pathlib import Path
 from mtp.eval.data import Task
 from mtp.eval.sandbox import ExecResult, Isolation, Limits, confined_view, run_program
 
-from mtp.atomic import write_json
+from mtp.util.atomic import write_json
 
 __all__ = ["Calibration", "Execution", "Plan", "TimePolicy", "calibrate", "completion_view",
            "plan", "prepare", "run_task", "task_limits"]

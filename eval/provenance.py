@@ -26,7 +26,7 @@ from pathlib import Path
 
 from mtp.eval.data import Benchmark, DataError
 
-from mtp.atomic import lock, rename, write_json
+from mtp.util.atomic import lock, rename, write_json
 
 __all__ = ["PROVENANCE", "RESULTS", "check_or_record", "claimed", "code_revision", "path_digest",
            "tasks_digest"]
@@ -62,7 +62,7 @@ def tasks_digest(benchmark: Benchmark) -> str:
 
 def code_revision() -> str:
     """The git revision of the code (``-dirty`` with uncommitted changes), or its version."""
-    from mtp.environment import git_state, versions
+    from mtp.util.environment import git_state, versions
 
     rev, dirty = git_state(short=False)
     if rev != "unknown":

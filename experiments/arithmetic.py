@@ -58,7 +58,7 @@ from experiments.common import (  # noqa: E402 (a script puts the repository on 
     trained_here,
 )
 from experiments.stats import Family, finding, why_untestable  # noqa: E402
-from mtp.config import InputError  # noqa: E402
+from mtp.util.errors import InputError  # noqa: E402
 
 COLUMNS = ["d_model", "K", "seed", "params", "head1_depth", "steps", "acc_in", "acc_out",
            "coef_acc_in", "coef_acc_out", "acc_by_ops", "floor_in", "floor_out", "curve",

@@ -43,7 +43,7 @@ if __package__ in (None, ""):  # run as a script, `python experiments/budget.py`
 import yaml  # noqa: E402
 
 from experiments.common import REPO, markdown_table  # noqa: E402
-from mtp.config import InputError  # noqa: E402
+from mtp.util.errors import InputError  # noqa: E402
 
 FIXED_COSTS = Path(__file__).resolve().parent / "fixed_costs.yaml"
 
@@ -179,8 +179,8 @@ def model_shape(model_cfg, seq_len: int) -> Shape:
     `seq_len` and transformer blocks, from a model built without memory (on the meta device)."""
     import torch
 
-    from mtp.layers import Block
-    from mtp.model import build_model
+    from mtp.model.layers import Block
+    from mtp.model.transformer import build_model
 
     with torch.device("meta"):
         model = build_model(model_cfg)

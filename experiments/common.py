@@ -19,7 +19,8 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-from mtp.config import ConfigError, InputError, UserError, read_yaml_mapping
+from mtp.util.errors import ConfigError, InputError, UserError
+from mtp.util.yaml_file import read_yaml_mapping
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -41,7 +42,7 @@ def single_thread() -> None:
 
 
 def study_main(main: Callable[[], int]) -> int:
-    """Run a study's `main`; a user's mistake (`mtp.config.UserError`: an unknown preset, a
+    """Run a study's `main`; a user's mistake (`mtp.util.errors.UserError`: an unknown preset, a
     malformed file, no results to report) is one line on stderr and exit status 2."""
     try:
         return main()
@@ -187,7 +188,7 @@ def summarize(values: Iterable[float]) -> dict[str, float]:
 
 def head1_depth(model) -> int:
     """Transformer blocks on a model's next-token path (trunk and head 1)."""
-    from mtp.layers import Block
+    from mtp.model.layers import Block
 
     return model.cfg.n_trunk_layers + sum(isinstance(m, Block) for m in model.heads[0].modules())
 
@@ -210,7 +211,7 @@ def provenance() -> dict[str, str]:
     the software, the CPU model (and the GPU, where one is visible) and the UTC time."""
     import torch
 
-    from mtp.environment import git_state, versions
+    from mtp.util.environment import git_state, versions
 
     rev, dirty = git_state(REPO, exclude=["experiments/reports"], untracked=True)
     found = versions("torch")

@@ -24,7 +24,7 @@ from experiments.common import (
 )
 from experiments.k_report import SETTINGS, vocab_and_step_tokens
 from experiments.stats import Family, judged, why_untestable
-from mtp.config import InputError
+from mtp.util.errors import InputError
 
 
 def report(out: Path, preset: dict, head_types: list[str], command: str, rows: list[dict],

@@ -51,12 +51,12 @@ def measure() -> dict:
     )
     from mtp.config import DataConfig, ModelConfig, OptimConfig
     from mtp.data import source_specs, tokenizer_sample, train_tokenizer
-    from mtp.decoding import generate
-    from mtp.model import build_model
+    from mtp.decoding.generation import generate
+    from mtp.model.transformer import build_model
 
     single_thread()
     out: dict = {}
-    imports = "import torch, lightning, mtp.cli, mtp.module, mtp.data, experiments.synthetic"
+    imports = "import torch, lightning, mtp.cli, mtp.train.module, mtp.data, experiments.synthetic"
     out["start_s"] = _median_time(lambda: subprocess.run([sys.executable, "-c", imports],
                                                          cwd=REPO, check=True))
 
@@ -146,10 +146,10 @@ def measure() -> dict:
 def _measure_fit_run(out: dict) -> tuple[float, float]:
     """An `mtp fit` run's setup beyond its steps (data tokenised and cached beforehand), and
     loading a finished run's checkpoint and validation data."""
-    from mtp.checkpoint import load_checkpoint
     from mtp.cli import main as mtp_main
     from mtp.config import DataConfig, ModelConfig
     from mtp.data import build_datamodule
+    from mtp.model.checkpoint import load_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
         base = yaml.safe_load((REPO / "configs" / "debug.yaml").read_text())

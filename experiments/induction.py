@@ -56,7 +56,7 @@ from experiments.common import (  # noqa: E402 (a script puts the repository on 
     trained_here,
 )
 from experiments.stats import Family, finding, why_untestable  # noqa: E402
-from mtp.config import InputError  # noqa: E402
+from mtp.util.errors import InputError  # noqa: E402
 
 COLUMNS = ["d_model", "K", "seed", "params", "head1_depth", "steps", "copy_acc", "floor",
            "chance", "curve", "train_s", "git", "environment", "utc", "fit_git", "fit_cpu", "cpu",

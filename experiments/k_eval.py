@@ -16,7 +16,8 @@ def validation_losses(model, dm, n_windows: int, batch_size: int) -> dict[str, f
     """Per-head loss and head-1 accuracy on the first `n_windows` validation windows."""
     import torch
 
-    from mtp.loss import head_metrics, mtp_inputs_targets
+    from mtp.train.loss import mtp_loss
+    from mtp.train.targets import mtp_inputs_targets
 
     k = model.cfg.n_future
     losses, acc, seen = torch.zeros(k, dtype=torch.float64), 0.0, 0
@@ -25,7 +26,7 @@ def validation_losses(model, dm, n_windows: int, batch_size: int) -> dict[str, f
             batch = torch.stack([dm.val_set[i] for i in range(a, min(a + batch_size,
                                                                     n_windows))])
             batch = batch.to(next(model.parameters()).device)
-            out = head_metrics(model, *mtp_inputs_targets(batch, k))
+            out = mtp_loss(model, *mtp_inputs_targets(batch, k), path="metrics")
             losses += out.head_losses.double() * len(batch)
             acc += float(out.head_accuracies[0]) * len(batch)
             seen += len(batch)
@@ -77,7 +78,8 @@ def speculative(model, dm, ev: dict, eot_id: int | None, baseline=None) -> dict:
     """
     import statistics
 
-    from mtp.decoding import DecodeStats, generate
+    from mtp.decoding.generation import generate
+    from mtp.decoding.stats import DecodeStats
 
     n, plen, new = ev["spec_prompts"], ev["spec_prompt_tokens"], ev["spec_new_tokens"]
     stride = max(1, len(dm.val_set) // n)

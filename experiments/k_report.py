@@ -25,7 +25,8 @@ from experiments.common import (
     wall_minutes,
 )
 from experiments.stats import Family, finding, judged, why_untestable
-from mtp.config import BYTE_LEVEL_BASE, InputError
+from mtp.config import BYTE_LEVEL_BASE
+from mtp.util.errors import InputError
 
 #: The settings a K-sweep page lists, as its rows recorded them.
 SETTINGS = ["preset", "fit_config", "fit", "depth_controls", "tokens_per_param", "eval.device",

@@ -54,7 +54,7 @@ from experiments.common import (
     single_thread,
     study_main,  # noqa: E402 (a script puts the repository on the path first)
 )
-from mtp.config import InputError  # noqa: E402
+from mtp.util.errors import InputError  # noqa: E402
 
 MAX_K = 8
 COLUMNS = ["head_type", "K", "n_layers", "seed", "params", "steps", "head1_depth",
@@ -271,10 +271,10 @@ def evaluate(preset: dict, k: int, seed: int, run_dir: Path, head_type: str = "b
     run's checkpoint, whose greedy decoding self-speculation is also timed against."""
     import torch
 
-    from mtp.checkpoint import load_checkpoint
     from mtp.config import DataConfig
     from mtp.data import build_datamodule
-    from mtp.vocab import eot_id
+    from mtp.model.checkpoint import load_checkpoint
+    from mtp.model.vocab import eot_id
 
     ev = preset["eval"]
     ckpt = last_checkpoint(run_dir)

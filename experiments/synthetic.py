@@ -30,8 +30,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from mtp.config import LossConfig, ModelConfig, OptimConfig
-from mtp.model import MTPTransformer
-from mtp.module import MTPModule
+from mtp.model.transformer import MTPTransformer
+from mtp.train.module import MTPModule
 
 TRAIN, VAL, TEST = 0, 1, 2
 

@@ -9,14 +9,16 @@ self-speculative decoding, and evaluates them on HumanEval and MBPP in a sandbox
 
 The public contract, importable from here:
 
-    ModelConfig, MTPTransformer           the model (mtp.config, mtp.model)
+    ModelConfig, MTPTransformer,
+    load_checkpoint, save_checkpoint      the model and its checkpoints (mtp.model)
     mtp_inputs_targets, naive_mtp_loss,
     sequential_mtp_loss                   the MTP loss, naive and sequential (mtp.loss)
     linear_cross_entropy                  the fused kernel (mtp.kernels)
     generate, DECODERS                    one decode loop, every decoder (mtp.decoding)
-    load_checkpoint, save_checkpoint      checkpoints without Lightning (mtp.checkpoint)
     pass_at_k                             the unbiased pass@k estimator (mtp.eval)
 
+One folder per stage of the pipeline: `model/`, `data/`, `train/`, `decoding/`, `interop/`,
+`bench/`, with `kernels/` and `eval/` at the repository's top; `docs/architecture.md` is the map.
 The command line is `mtp fit | validate | generate | eval | bench | export` (`mtp.cli`); the
 configuration groups of `mtp fit` are the dataclasses of `mtp.config`. Names are imported when
 first used, so `import mtp` (and every `mtp ... --help`) loads neither torch nor Lightning.
@@ -24,33 +26,21 @@ first used, so `import mtp` (and every `mtp ... --help`) loads neither torch nor
 
 from __future__ import annotations
 
-import importlib
+from mtp.util.lazy import lazy_exports
 
 #: Each public name and the module that defines it.
 _EXPORTS = {
     "ModelConfig": "mtp.config",
-    "DECODERS": "mtp.config",
-    "MTPTransformer": "mtp.model",
-    "mtp_inputs_targets": "mtp.loss",
-    "naive_mtp_loss": "mtp.loss",
-    "sequential_mtp_loss": "mtp.loss",
+    "DECODERS": "mtp.decoding.names",
+    "MTPTransformer": "mtp.model.transformer",
+    "mtp_inputs_targets": "mtp.train.targets",
+    "naive_mtp_loss": "mtp.train.loss",
+    "sequential_mtp_loss": "mtp.train.loss",
     "linear_cross_entropy": "mtp.kernels",
-    "generate": "mtp.decoding",
-    "load_checkpoint": "mtp.checkpoint",
-    "save_checkpoint": "mtp.checkpoint",
+    "generate": "mtp.decoding.generation",
+    "load_checkpoint": "mtp.model.checkpoint",
+    "save_checkpoint": "mtp.model.checkpoint",
     "pass_at_k": "mtp.eval",
 }
-
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'mtp' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

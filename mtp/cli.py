@@ -21,9 +21,9 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Dispatch `mtp <command> ...`. A user's mistake (`mtp.config.UserError`) is reported in a
+    """Dispatch `mtp <command> ...`. A user's mistake (`mtp.util.errors.UserError`) is reported in a
     line or two and exits 2, a Ctrl-C in a line and exit status 130 (`mtp fit` keeps what it
-    can, `mtp.fault`); `--debug` anywhere on the line shows the traceback instead."""
+    can, `mtp.train.fault`); `--debug` anywhere on the line shows the traceback instead."""
     argv = sys.argv[1:] if argv is None else list(argv)
     debug = "--debug" in argv
     if debug:
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _dispatch(argv)
     except Exception as err:
-        from mtp.config import UserError
+        from mtp.util.errors import UserError
 
         if debug or not isinstance(err, UserError):
             raise
@@ -54,17 +54,17 @@ def _dispatch(argv: list[str]) -> int:
     cmd, rest = argv[0], argv[1:]
     if cmd in ("fit", "validate"):
         if rest in (["--help"], ["-h"]):
-            from mtp.fit_help import stored_help
+            from mtp.train.fit_help import stored_help
 
             text = stored_help(cmd)
             if text is not None:
                 print(text, end="")
                 return 0
-        from mtp.fit_cli import fit_main
+        from mtp.train.cli import fit_main
 
         return fit_main(argv)
     if cmd == "generate":
-        from mtp.decode_cli import generate_main
+        from mtp.decoding.cli import generate_main
 
         return generate_main(rest)
     if cmd == "eval":
@@ -76,14 +76,16 @@ def _dispatch(argv: list[str]) -> int:
 
         return bench_main(rest)
     if cmd == "export":
-        return _export(rest)
+        from mtp.interop.cli import export_main
+
+        return export_main(rest)
     if cmd == "distill":
-        from mtp.distill import main as distill_main
+        from mtp.interop.distill import main as distill_main
 
         return distill_main(rest)
     if cmd == "lm-eval":
         try:
-            from mtp.lmeval import main as lmeval_main
+            from mtp.interop.lm_eval_model import main as lmeval_main
         except ModuleNotFoundError as e:
             print(f"mtp lm-eval: needs lm-eval ({e}); pip install -e \".[lmeval]\"",
                   file=sys.stderr)
@@ -91,52 +93,6 @@ def _dispatch(argv: list[str]) -> int:
         return lmeval_main(rest)
     print(f"mtp: unknown command {cmd!r}; choose from {', '.join(COMMANDS)}", file=sys.stderr)
     return 2
-
-
-def _export(argv: list[str]) -> int:
-    """`mtp export hf --ckpt CKPT --output DIR` (`mtp.hf`) and `mtp export medusa --ckpt CKPT
-    --output DIR` (`mtp.medusa`)."""
-    import argparse
-    from pathlib import Path
-
-    parser = argparse.ArgumentParser(prog="mtp export", description="Write a checkpoint in "
-                                     "another library's layout (see `mtp.hf`, `mtp.medusa`).")
-    sub = parser.add_subparsers(dest="format", required=True)
-    helps = {"hf": "a transformers LlamaForCausalLM directory (head 1), with the other heads "
-                   "beside it",
-             "medusa": "heads 2..K of a --model.head_type medusa1 checkpoint as vLLM's Medusa "
-                       "draft model (vLLM head j is mtp head j + 2)"}
-    for name, text in helps.items():
-        p = sub.add_parser(name, help=text)
-        p.add_argument("--ckpt", required=True, help="mtp checkpoint (or exported directory)")
-        p.add_argument("--output", required=True, type=Path, help="new directory to write")
-    args = parser.parse_args(argv)
-    from mtp.checkpoint import load_checkpoint
-    from mtp.hf import MTP_HEADS, ExportError, export, llama_layers
-
-    try:
-        model, tokenizer = load_checkpoint(args.ckpt)
-        if args.format == "medusa":
-            from mtp import medusa
-
-            out = medusa.export(model, args.output)
-        else:
-            out = export(model, tokenizer, args.output)
-    except (ExportError, FileNotFoundError, ValueError) as e:
-        print(f"mtp export: error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:  # a file where a folder of --output is, another export there meanwhile
-        print(f"mtp export: error: --output {args.output}: {e.strerror} ({e.filename}); nothing "
-              "was written", file=sys.stderr)
-        return 2
-    n = model.cfg.n_future
-    if args.format == "medusa":
-        print(f"wrote {out}: vLLM Medusa heads 0..{n - 2} (mtp heads 2..{n}); serve with "
-              f"speculative_config method medusa, model {out}, num_speculative_tokens <= {n - 1}")
-        return 0
-    print(f"wrote {out}: LlamaForCausalLM of {llama_layers(model.cfg)} layers (head 1)"
-          + (f", heads 2..{n} in {MTP_HEADS}" if n > 1 else ""))
-    return 0
 
 
 if __name__ == "__main__":

@@ -9,93 +9,14 @@ Validation collects every problem of a config before raising, and each message n
 from __future__ import annotations
 
 import dataclasses
-import os
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal
 
-
-class UserError(Exception):
-    """A mistake in a command line, a file or a value; the message names it. `mtp` reports
-    these in a line or two and exits 2 (with `--debug`, with the traceback)."""
-
-
-class ConfigError(ValueError, UserError):
-    """A configuration value is invalid; the message names each offending flag."""
-
-
-class InputError(ValueError, UserError):
-    """A file or value given to mtp is unusable (a corpus, tokenizer, shard or checkpoint)."""
-
-
-class MissingInput(FileNotFoundError, UserError):
-    """A file or directory given to mtp does not exist or holds nothing usable."""
-
+from mtp.util.errors import ConfigError
 
 #: Tokens of a byte-level BPE before any merge: the 256 bytes and the end-of-text token.
 BYTE_LEVEL_BASE = 257
-
-
-def _strict_loader():
-    """A yaml SafeLoader class that records each key repeated within one mapping (merge keys
-    `<<` aside, which may be overridden) instead of keeping the last silently."""
-    import yaml
-
-    class StrictLoader(yaml.SafeLoader):
-        def __init__(self, stream) -> None:
-            super().__init__(stream)
-            self.duplicates: list[tuple[int, str]] = []  # (line, key and first line)
-
-        def construct_mapping(self, node, deep=False):
-            if isinstance(node, yaml.MappingNode):
-                first: dict = {}
-                for key_node, _ in node.value:
-                    if key_node.tag == "tag:yaml.org,2002:merge":
-                        continue
-                    key = self.construct_object(key_node, deep=True)
-                    line = key_node.start_mark.line + 1
-                    try:
-                        seen = first.get(key)
-                    except TypeError:  # an unhashable key: the constructor's own error
-                        continue
-                    if seen is None:
-                        first[key] = line
-                    else:
-                        self.duplicates.append((line, f"key {key!r} again (first on line "
-                                                      f"{seen})"))
-            return super().construct_mapping(node, deep=deep)
-
-    return StrictLoader
-
-
-def read_yaml_mapping(path: str | os.PathLike, what: str) -> dict:
-    """The YAML file at `path`, which must hold a mapping; `what` names it in errors (the flag,
-    e.g. `--config x.yaml`), with the line of a syntax error or of each duplicated key."""
-    import yaml
-
-    try:
-        text = Path(path).read_text()
-    except OSError as err:
-        raise InputError(f"{what}: cannot read {path} ({err.strerror})") from None
-    loader = _strict_loader()(text)
-    try:
-        data = loader.get_single_data()
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" line {mark.line + 1}, column {mark.column + 1}:" if mark else ""
-        problem = getattr(err, "problem", None) or str(err)
-        raise InputError(f"{what}: not valid YAML:{where} {problem}") from None
-    finally:
-        loader.dispose()
-    if loader.duplicates:
-        raise InputError(f"{what}: duplicate keys (YAML would keep only the last, silently):"
-                         + "".join(f"\n  line {line}: {text}"
-                                   for line, text in sorted(loader.duplicates)))
-    if not isinstance(data, dict):
-        raise InputError(f"{what}: must be a YAML mapping of settings (it holds a "
-                         f"{type(data).__name__})")
-    return data
 
 
 def _raise_if(problems: list[str]) -> None:
@@ -120,11 +41,11 @@ class ModelConfig:
     n_future: int = 4
     """K: number of output heads; head i (1-based) predicts the token i positions ahead."""
     head_type: Literal["block", "linear", "medusa", "medusa1", "deepseek"] = "block"
-    """Output heads (`mtp.heads`): a transformer block each (the paper's default), a linear d x d
-    map each, Medusa's residual block h + SiLU(W h) each, Medusa-1 as vLLM serves it (head 1
-    the main model's output, heads 2..K residual blocks z + SiLU(W z + b) on the normalised trunk
-    output z, no norm after; `mtp export medusa`), or DeepSeek-V3's chain of MTP modules (head i
-    reads head i - 1's output and the token it predicts)."""
+    """Output heads (`mtp.model.heads`): a transformer block each (the paper's default), a linear d
+    x d map each, Medusa's residual block h + SiLU(W h) each, Medusa-1 as vLLM serves it (head 1 the
+    main model's output, heads 2..K residual blocks z + SiLU(W z + b) on the normalised trunk output
+    z, no norm after; `mtp export medusa`), or DeepSeek-V3's chain of MTP modules (head i reads head
+    i - 1's output and the token it predicts)."""
     matched_params: bool = False
     """Keep the blocks of trunk and heads at `n_layers + 1` for every K by moving K - 1 trunk
     blocks into the heads (Gloeckle et al.), so a sweep over K compares equal parameter counts.
@@ -159,7 +80,7 @@ class ModelConfig:
     """A local transformers checkpoint of the Llama family (Llama, Mistral, Qwen2), or a Llama
     `.gguf` file, to start from: its shape replaces the other `--model.*` shape flags, its layers
     become the trunk and head 1, heads 2..K start as copies of its last layer, and its tokenizer
-    becomes the default `--data.tokenizer` (`mtp.hf.pretrained_config`)."""
+    becomes the default `--data.tokenizer` (`mtp.interop.hf_import.pretrained_config`)."""
 
     def __post_init__(self) -> None:
         p = []
@@ -196,7 +117,8 @@ class ModelConfig:
                 )
         if not self.eot_token:
             p.append("--model.eot_token must be a token (got an empty string)")
-        # with `init_from`, vocab_size is the pretrained model's (`mtp.hf.pretrained_config`)
+        # with `init_from`, vocab_size is the pretrained model's
+        # (`mtp.interop.hf_import.pretrained_config`)
         if self.draft_vocab < 0 or self.init_from is None and self.draft_vocab > self.vocab_size:
             p.append(f"--model.draft_vocab must be in [0, --model.vocab_size = "
                      f"{self.vocab_size}] (got {self.draft_vocab})")
@@ -209,7 +131,8 @@ class ModelConfig:
     @property
     def n_trunk_layers(self) -> int:
         """Blocks in the shared trunk after the matched-parameter move. `deepseek` heads add
-        one: the block that `block` heads give head 1 is the main model's last (`mtp.heads`)."""
+        one: the block that `block` heads give head 1 is the main model's last (`mtp.model.heads`).
+        """
         n = self.n_layers + (self.head_type == "deepseek")
         return n - (self.n_future - 1) if self.matched_params else n
 
@@ -236,15 +159,8 @@ class ModelConfig:
 
 
 
-#: The values of `--model.head_type` (`mtp.heads`).
+#: The values of `--model.head_type` (`mtp.model.heads`).
 HEAD_TYPES: tuple[str, ...] = typing.get_args(typing.get_type_hints(ModelConfig)["head_type"])
-
-#: The decoders of `mtp.decoding.generate` (`mtp generate --decoder`).
-DECODERS = ("greedy", "sample", "self-spec", "tree", "draft", "lookup")
-
-#: Prompt lookup's most drafts per round where none is given (`--lookup 0`): decoder `lookup`, and
-#: transformers' prompt lookup in `mtp bench decode --transformers`.
-LOOKUP_TOKENS = 10
 
 #: Named sizes. `debug` runs a step on CPU in milliseconds (tests, README); `cpu` is the default
 #: that trains on two CPU cores in minutes; the rest are GPU sizes (parameter counts at V = 32000,
@@ -398,7 +314,7 @@ class OptimConfig:
     trunk_cache_mb: int = 4096
     """With `train: heads`: memory (MiB) for the frozen trunk's outputs (and self-distillation
     targets) of the training windows, computed once and reused in later epochs
-    (`mtp.frozen`); 0 recomputes them every step."""
+    (`mtp.train.frozen_trunk`); 0 recomputes them every step."""
 
     def __post_init__(self) -> None:
         p = []
@@ -431,7 +347,7 @@ class LossConfig:
     head_weights: list[float] | None = None
     """Weight w_i of head i in the loss (None: 1 for every head)."""
     schedule: Literal["constant", "ramp", "curriculum"] = "constant"
-    """How the weights of heads 2..K move over training (`mtp.loss.scheduled_head_weights`):
+    """How the weights of heads 2..K move over training (`mtp.train.loss.scheduled_head_weights`):
     `constant` keeps `head_weights`; `ramp` scales them linearly from 0 at step 0 to their full
     value at `schedule_steps`; `curriculum` switches head i on at step
     (i - 1) / (K - 1) * `schedule_steps`, so the heads join one at a time. Head 1's weight

@@ -44,10 +44,10 @@ def fixtures(root: Path, data: Path) -> dict[str, str]:
     """Checkpoints and files the cases point at."""
     import torch
 
-    from mtp.checkpoint import save_checkpoint
     from mtp.config import ModelConfig
     from mtp.data.bpe import train_tokenizer
-    from mtp.model import MTPTransformer
+    from mtp.model.checkpoint import save_checkpoint
+    from mtp.model.transformer import MTPTransformer
 
     tok = train_tokenizer(["def add(a, b):\n    return a + b\n"] * 20, 300, 10**6)
     paths = {}

@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             "on a quiet machine; each table's first line names the machine, threads and "
             "versions. Rerun the same command to refresh the whole page; it refuses a tree "
             "with uncommitted changes.\n")
-    from mtp.atomic import write_text  # after the runs: a failed run leaves the page as it was
+    from mtp.util.atomic import write_text  # after the runs: a failed run leaves the page as it was
 
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -92,11 +92,11 @@ def odd_fixtures(root: Path, tok, paths: dict[str, str], data: Path) -> dict[str
     deleted or edited, checkpoints with a chat template and a long context window."""
     import torch
 
-    from mtp.checkpoint import load_checkpoint, save_checkpoint
     from mtp.config import ModelConfig
-    from mtp.gguf import packaged_model
-    from mtp.hf import export
-    from mtp.model import MTPTransformer
+    from mtp.interop.gguf import packaged_model
+    from mtp.interop.hf_export import export
+    from mtp.model.checkpoint import load_checkpoint, save_checkpoint
+    from mtp.model.transformer import MTPTransformer
 
     rng = random.Random(0)
     out: dict[str, str] = {}
@@ -568,7 +568,7 @@ def _one_export(run: Run, output: str) -> str | None:
     problem = _refused_or_done(run, "--output")
     if problem:
         return problem
-    from mtp.hf import load_export
+    from mtp.model.checkpoint import load_export
 
     try:
         load_export(run.folder / output)

@@ -9,9 +9,10 @@ import itertools
 import torch
 
 from mtp.config import ModelConfig
-from mtp.decoding import probs_from_logits
-from mtp.loss import mtp_inputs_targets, naive_mtp_loss
-from mtp.model import MTPTransformer
+from mtp.decoding.sampling import probs_from_logits
+from mtp.model.transformer import MTPTransformer
+from mtp.train.loss import naive_mtp_loss
+from mtp.train.targets import mtp_inputs_targets
 
 V_TINY, N_NEW, N_SAMPLES = 4, 4, 12000
 SAMPLING = {"temperature": 0.9, "top_k": 3, "top_p": 0.8}

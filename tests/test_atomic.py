@@ -1,4 +1,4 @@
-"""mtp.atomic: a write is whole or absent, durable once done, and the only rename there is."""
+"""mtp.util.atomic: a write is whole or absent, durable once done, and the only rename there is."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mtp import atomic
+from mtp.util import atomic
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -90,4 +90,4 @@ def test_every_rename_of_the_code_base_is_atomic_rename():
             for i, line in enumerate(path.read_text().splitlines(), 1):
                 if re.search(r"\bos\.(replace|rename)\(|\.(rename|replace)\(\s*tmp\b", line):
                     found.append(f"{path.relative_to(ROOT)}:{i}")
-    assert len(found) == 1 and found[0].startswith("mtp/atomic.py:"), found
+    assert len(found) == 1 and found[0].startswith("mtp/util/atomic.py:"), found

@@ -11,10 +11,10 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from mtp.bench import main, parser
 from mtp.bench.validation import validation_windows
-from mtp.checkpoint import EOT_TOKEN, load_checkpoint, save_checkpoint
 from mtp.config import DataConfig, ModelConfig
 from mtp.data import MTPDataModule
-from mtp.model import MTPTransformer
+from mtp.model.checkpoint import EOT_TOKEN, load_checkpoint, save_checkpoint
+from mtp.model.transformer import MTPTransformer
 
 
 def _rows(path):

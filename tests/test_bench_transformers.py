@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import mtp.bench
-from mtp.checkpoint import save_checkpoint
 from mtp.config import ModelConfig
 from mtp.data.bpe import train_tokenizer
-from mtp.model import MTPTransformer
+from mtp.model.checkpoint import save_checkpoint
+from mtp.model.transformer import MTPTransformer
 
 TEXTS = ["def fib(n):\n    return n\n", "for i in range(10):\n    print(i)\n"]
 # Prompts that repeat themselves, so prompt lookup finds n-grams to propose.

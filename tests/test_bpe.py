@@ -3,10 +3,10 @@
 import pytest
 from data_helpers import datamodule
 
-from mtp.checkpoint import EOT_TOKEN
 from mtp.config import DataConfig
 from mtp.data import MTPDataModule
 from mtp.data.bpe import LONGEST_WORD, split_long_runs, train_tokenizer
+from mtp.model.checkpoint import EOT_TOKEN
 
 
 def test_tokenizer_round_trips_and_has_end_of_text():

@@ -7,9 +7,10 @@ from torch._dynamo.utils import counters
 from torch.profiler import ProfilerActivity, profile
 
 from mtp.config import ModelConfig
-from mtp.loss import mtp_inputs_targets, sequential_mtp_loss
-from mtp.model import MTPTransformer
-from mtp.module import compile_blocks
+from mtp.model.transformer import MTPTransformer
+from mtp.train.loss import sequential_mtp_loss
+from mtp.train.module import compile_blocks
+from mtp.train.targets import mtp_inputs_targets
 
 
 def _loss_and_grads(model, inputs, targets):

@@ -7,7 +7,7 @@ import pytest
 import torch
 from data_helpers import datamodule
 
-from mtp.config import ConfigError, DataConfig
+from mtp.config import DataConfig
 from mtp.data import (
     MixtureSampler,
     MTPDataModule,
@@ -16,6 +16,7 @@ from mtp.data import (
     unigram_entropy,
 )
 from mtp.data.corpus import SourceSpec
+from mtp.util.errors import ConfigError
 
 
 def test_bad_data_configs_name_the_flag():
@@ -131,7 +132,7 @@ def test_bad_mixtures_name_the_entry(tiny_corpus, tmp_path):
 def test_mixture_flag_parses_from_the_command_line_and_yaml(tmp_path):
     from lightning.pytorch.cli import LightningArgumentParser
 
-    from mtp.fit_cli import add_run_arguments, run_config
+    from mtp.train.cli import add_run_arguments, run_config
 
     parser = LightningArgumentParser(allow_abbrev=False)
     add_run_arguments(parser)

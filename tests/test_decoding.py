@@ -24,18 +24,12 @@ from decoding_helpers import (
     train_cyclic,
 )
 
-from mtp.decoding import (
-    Tree,
-    acceptance,
-    engine,
-    generate,
-    head_accuracy,
-    probs_from_logits,
-    sampling,
-    stacked,
-)
+from mtp.decoding import acceptance, engine, sampling, stacked
 from mtp.decoding import tree as tree_mod
-from mtp.model import KVCache, MTPTransformer
+from mtp.decoding.generation import generate
+from mtp.decoding.sampling import probs_from_logits
+from mtp.decoding.tree import Tree, head_accuracy
+from mtp.model.transformer import KVCache, MTPTransformer
 
 torch.set_num_threads(1)
 
@@ -190,7 +184,7 @@ def test_cache_holds_exactly_the_committed_tokens(early_model, monkeypatch, deco
 
     # Every cache of a call, the target's and the draft model's, comes from engine.new_cache.
     monkeypatch.setattr(engine, "new_cache", spy)
-    monkeypatch.setattr("mtp.decoding.new_cache", spy)
+    monkeypatch.setattr("mtp.decoding.generation.new_cache", spy)
     monkeypatch.setattr("mtp.decoding.drafters.new_cache", spy)
     if decoder == "draft":
         kwargs = {"draft_model": random_model(5, n_future=1), "gamma": 3}

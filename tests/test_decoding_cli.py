@@ -12,10 +12,10 @@ from mtp.eval.completer import load_completer
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 import mtp.bench
-from mtp.checkpoint import EOT_TOKEN, save_checkpoint
 from mtp.config import ModelConfig
-from mtp.decode_cli import generate_main
-from mtp.model import MTPTransformer
+from mtp.decoding.cli import generate_main
+from mtp.model.checkpoint import EOT_TOKEN, save_checkpoint
+from mtp.model.transformer import MTPTransformer
 
 torch.set_num_threads(1)
 

@@ -9,13 +9,13 @@ import pytest
 import torch
 from mtp.eval.chat import ChatTemplate
 
-from mtp.checkpoint import save_checkpoint
 from mtp.cli import main
 from mtp.config import ModelConfig
 from mtp.data.bpe import train_tokenizer
-from mtp.decoding import generate
-from mtp.distill import requests
-from mtp.model import MTPTransformer
+from mtp.decoding.generation import generate
+from mtp.interop.distill import requests
+from mtp.model.checkpoint import save_checkpoint
+from mtp.model.transformer import MTPTransformer
 
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
             "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

@@ -27,16 +27,13 @@ from decoding_helpers import (
     train_cyclic,
 )
 
-from mtp.config import ConfigError, ModelConfig
-from mtp.decoding import Tree, generate
-from mtp.loss import (
-    IGNORE_INDEX,
-    head_metrics,
-    mtp_inputs_targets,
-    naive_mtp_loss,
-    sequential_mtp_loss,
-)
-from mtp.model import MTPTransformer
+from mtp.config import ModelConfig
+from mtp.decoding.generation import generate
+from mtp.decoding.tree import Tree
+from mtp.model.transformer import MTPTransformer
+from mtp.train.loss import mtp_loss, naive_mtp_loss, sequential_mtp_loss
+from mtp.train.targets import IGNORE_INDEX, mtp_inputs_targets
+from mtp.util.errors import ConfigError
 
 torch.set_num_threads(1)
 
@@ -78,7 +75,7 @@ def test_losses_and_gradients_over_the_draft_vocabulary(head_type):
         torch.testing.assert_close(naive.head_losses[i].double(), want, rtol=1e-5, atol=0)
     seq = sequential_mtp_loss(model, inputs, targets)
     torch.testing.assert_close(seq.head_losses, naive.head_losses, rtol=1e-6, atol=0)
-    metrics = head_metrics(model, inputs, targets)
+    metrics = mtp_loss(model, inputs, targets, path="metrics")
     torch.testing.assert_close(metrics.head_losses, naive.head_losses, rtol=1e-5, atol=0)
     torch.testing.assert_close(metrics.head_accuracies, naive.head_accuracies)
 
@@ -132,8 +129,8 @@ def test_speculative_sampling_with_a_draft_vocabulary_is_exact():
 
 
 def test_fit_takes_the_most_frequent_training_tokens(tiny_corpus, tmp_path, monkeypatch):
-    from mtp.checkpoint import load_checkpoint
     from mtp.cli import main
+    from mtp.model.checkpoint import load_checkpoint
 
     monkeypatch.chdir(tmp_path)
     assert main(["fit", "--config", str(Path(__file__).parents[1] / "configs/debug.yaml"),

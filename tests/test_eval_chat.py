@@ -19,10 +19,10 @@ from mtp.eval.sandbox import Limits
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from mtp.checkpoint import EOT_TOKEN, save_checkpoint
 from mtp.cli import main
 from mtp.config import ModelConfig
-from mtp.model import MTPTransformer
+from mtp.model.checkpoint import EOT_TOKEN, save_checkpoint
+from mtp.model.transformer import MTPTransformer
 
 DATA = Path(os.environ.get("MTP_SHARED_DATA", Path(__file__).parents[1].parent / "shared" / "data"))
 MBPP_FILE = DATA / "mbpp" / "mbpp.jsonl"

@@ -15,7 +15,8 @@ import yaml
 from experiments_helpers import PROV, synthetic_rows, tiny_preset, write_csv
 
 from experiments import arithmetic, common, induction, k_report, k_sweep, stats
-from mtp.config import InputError, ModelConfig
+from mtp.config import ModelConfig
+from mtp.util.errors import InputError
 
 REPO = Path(__file__).resolve().parents[1]
 

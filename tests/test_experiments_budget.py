@@ -12,7 +12,8 @@ import yaml
 from experiments_helpers import PROV, tiny_preset
 
 from experiments import arithmetic, common, curves, induction, k_report, k_sweep, stats
-from mtp.config import InputError, ModelConfig
+from mtp.config import ModelConfig
+from mtp.util.errors import InputError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -21,7 +22,7 @@ GPU_PRESETS = [("k_sweep", "gpu"), ("k_sweep", "scan_gpu"), ("induction", "gpu")
 
 
 def _meta_params(model_cfg: ModelConfig) -> int:
-    from mtp.model import MTPTransformer
+    from mtp.model.transformer import MTPTransformer
 
     with torch.device("meta"):
         return MTPTransformer(model_cfg).num_params()
@@ -179,7 +180,7 @@ _COSTS = dict(start_s=5.0, fit_run_s=2.0, synthetic_run_s=0.5, eval_run_s=0.7, s
 
 
 def _blocks(model) -> int:
-    from mtp.layers import Block
+    from mtp.model.layers import Block
 
     return sum(isinstance(m, Block) for m in model.modules())
 
@@ -191,7 +192,7 @@ def test_the_estimate_is_flops_over_throughput_plus_the_fixed_costs():
     sustained FLOP/s; plus the run's setup, its steps, the tokens generated for it, its
     forwards and its floor; plus the process start once."""
     from experiments import budget
-    from mtp.model import MTPTransformer
+    from mtp.model.transformer import MTPTransformer
 
     preset = common.load_preset("induction", "cpu") | {
         "sizes": [16, 32], "ks": [1, 2], "seeds": [0, 1, 2], "seq_len": 16, "batch_size": 4,
@@ -232,7 +233,7 @@ def test_the_k_sweep_estimate_counts_tokenising_decoding_and_benchmarks(tiny_cor
     self-speculation and the K = 1 model's greedy, code-benchmark forwards and programs; once
     per study the process start, the corpus's BPE and encoding, the benchmarks' references."""
     from experiments import budget
-    from mtp.model import MTPTransformer
+    from mtp.model.transformer import MTPTransformer
 
     path = tiny_preset(tiny_corpus, tmp_path, ks=[1, 2], tokens_per_param=10)
     preset = yaml.safe_load(path.read_text())

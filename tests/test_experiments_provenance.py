@@ -9,7 +9,7 @@ import pytest
 from experiments_helpers import synthetic_rows
 
 from experiments import common, induction, k_report, k_sweep
-from mtp.config import InputError
+from mtp.util.errors import InputError
 
 
 def test_studies_record_each_run_with_its_curve_depth_and_provenance(tmp_path):

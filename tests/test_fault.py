@@ -17,7 +17,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from mtp.cli import main
-from mtp.fault import AtomicCheckpointIO, resume_command
+from mtp.train.fault import AtomicCheckpointIO, resume_command
 
 REPO = Path(__file__).resolve().parents[1]
 MTP = str(Path(sys.executable).parent / "mtp")

@@ -12,8 +12,8 @@ pass may recompute head activations (activation checkpointing) or logits (the Tr
 and the chunked torch kernel accumulates dW with an in-place `addmm_`, which FlopCounterMode
 does not count, so its count is neither the model FLOPs nor a bound on them.
 
-The second is a hand count of every weight matrix and attention matmul of two tiny configs,
-written out term by term from the architecture (`mtp.layers`, `mtp.heads`), not from the code's
+The second is a hand count of every weight matrix and attention matmul of two tiny configs, written
+out term by term from the architecture (`mtp.model.layers`, `mtp.model.heads`), not from the code's
 formula.
 """
 
@@ -23,8 +23,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from mtp.config import ModelConfig
-from mtp.loss import mtp_inputs_targets, naive_mtp_loss
-from mtp.model import MTPTransformer
+from mtp.model.transformer import MTPTransformer
+from mtp.train.loss import naive_mtp_loss
+from mtp.train.targets import mtp_inputs_targets
 
 B, T, V, D = 2, 32, 512, 64
 
@@ -70,7 +71,7 @@ def test_flops_per_token_matches_flop_counter(K, head_type, overrides):
 
 
 def _block(d: int, n_heads: int, kv_heads: int, ffn: int) -> int:
-    """Weight entries of one transformer block (`mtp.layers.Block`)."""
+    """Weight entries of one transformer block (`mtp.model.layers.Block`)."""
     hd = d // n_heads
     qkv = d * (n_heads + 2 * kv_heads) * hd
     out = d * d

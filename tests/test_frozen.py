@@ -1,5 +1,5 @@
-"""Heads-only training on a frozen trunk (`mtp.frozen`): the same gradients as the sequential
-pass with head 1's weight at zero, from trunk outputs computed once and kept."""
+"""Frozen-trunk training (`mtp.train.frozen_trunk`): the same gradients as the sequential path
+with head 1's weight at zero, from trunk outputs computed once and kept."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from mtp.config import ModelConfig
-from mtp.frozen import FrozenTrunk, heads_loss
-from mtp.loss import mtp_inputs_targets, sequential_mtp_loss
-from mtp.model import MTPTransformer
-from mtp.module import self_targets
+from mtp.model.transformer import MTPTransformer
+from mtp.train.frozen_trunk import FrozenTrunk
+from mtp.train.loss import heads_loss, sequential_mtp_loss
+from mtp.train.targets import mtp_inputs_targets, self_targets
 
 
 def _frozen_model(head_type: str, **kw) -> MTPTransformer:
@@ -32,7 +32,7 @@ def _head_grads(model, loss) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("head_type", ["block", "medusa", "medusa1", "deepseek"])
 @pytest.mark.parametrize("targets", ["data", "self", "greedy"])
 @pytest.mark.parametrize("draft_vocab", [0, 40])
-def test_heads_loss_equals_the_sequential_pass(head_type, targets, draft_vocab):
+def test_the_frozen_trunk_path_equals_the_sequential_path(head_type, targets, draft_vocab):
     model = _frozen_model(head_type, draft_vocab=draft_vocab)
     window = torch.randint(0, 97, (4, 21 + 3))
     inputs, data_targets = mtp_inputs_targets(window, 3)
@@ -43,9 +43,10 @@ def test_heads_loss_equals_the_sequential_pass(head_type, targets, draft_vocab):
     want_grads = _head_grads(model, want.loss)
 
     cache = FrozenTrunk(model, targets=targets, max_bytes=1 << 30)
-    h, got_targets = cache(window)
+    h, rope, got_targets = cache(window)
     assert torch.equal(got_targets, want_targets)
-    got = heads_loss(model, h, got_targets, weights, with_accuracy=True)
+    got = heads_loss(model, h, rope, got_targets, weights, path="frozen_trunk",
+                     with_accuracy=True)
     assert got.first == 1 and got.head_losses.shape == (2,)
     torch.testing.assert_close(got.head_losses, want.head_losses[1:], rtol=1e-5, atol=0)
     torch.testing.assert_close(got.head_accuracies, want.head_accuracies[1:])
@@ -66,7 +67,7 @@ def test_the_cache_computes_each_window_once_within_its_budget(monkeypatch):
     first = cache(windows[:4])
     again = cache(windows[[3, 4, 1, 5]])  # two kept, two new
     assert calls == [4, 2] and (cache.hits, cache.misses) == (2, 6)
-    (h1, t1), (h2, t2) = first, again
+    (h1, _, t1), (h2, _, t2) = first, again
     assert torch.equal(h2[0], h1[3]) and torch.equal(t2[:, 0], t1[:, 3])  # kept entries
     assert torch.equal(h2[2], h1[1]) and torch.equal(t2[:, 2], t1[:, 1])
     fresh = FrozenTrunk(model, targets="self", max_bytes=0)._compute(windows[[4, 5]])
@@ -83,8 +84,8 @@ def test_greedy_targets_are_the_greedy_continuation_where_the_data_follow_it():
     ignored. The model is trained a little on a repeating text, so the data follow it often."""
     from decoding_helpers import train_cyclic
 
-    from mtp.decoding import generate
-    from mtp.loss import IGNORE_INDEX
+    from mtp.decoding.generation import generate
+    from mtp.train.targets import IGNORE_INDEX
 
     model, _ = train_cyclic(steps=40)
     K, T = model.cfg.n_future, 14

@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from mtp import gguf as mtp_gguf
 from mtp.config import ModelConfig
-from mtp.hf import ExportError, init_from_pretrained, pretrained_config
-from mtp.model import build_model
+from mtp.interop import gguf as mtp_gguf
+from mtp.interop.hf_import import init_from_pretrained, pretrained_config
+from mtp.model.transformer import build_model
+from mtp.util.errors import ExportError
 
 TEXTS = [
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + "
@@ -77,7 +78,7 @@ def test_smollm2_logits_and_token_ids_equal_transformers(smollm2_mtp, transforme
 
 
 def test_smollm2_self_speculation_with_a_draft_vocabulary_equals_greedy(smollm2_mtp):
-    from mtp.decoding import generate
+    from mtp.decoding.generation import generate
 
     model, tokenizer = smollm2_mtp
     prompts = [tokenizer.encode(p).ids for p in (

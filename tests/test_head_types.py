@@ -21,7 +21,9 @@ from decoding_helpers import (
     train_cyclic,
 )
 
-from mtp.decoding import Tree, chained, generate
+from mtp.decoding import chained
+from mtp.decoding.generation import generate
+from mtp.decoding.tree import Tree
 
 torch.set_num_threads(1)
 

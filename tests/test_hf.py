@@ -12,13 +12,14 @@ import torch
 import transformers
 from tokenizers import Tokenizer
 
-from mtp.checkpoint import EOT_TOKEN, load_checkpoint, save_checkpoint
 from mtp.cli import main as cli_main
-from mtp.config import InputError, ModelConfig
+from mtp.config import ModelConfig
 from mtp.data.bpe import train_tokenizer
-from mtp.decoding import generate
-from mtp.hf import ExportError, export, load_export
-from mtp.model import MTPTransformer
+from mtp.decoding.generation import generate
+from mtp.interop.hf_export import export
+from mtp.model.checkpoint import EOT_TOKEN, load_checkpoint, load_export, save_checkpoint
+from mtp.model.transformer import MTPTransformer
+from mtp.util.errors import ExportError, InputError
 
 TEXTS = ["def add(a, b):\n    return a + b\n", "for i in range(10):\n    print(i)\n",
          "class Point:\n    def __init__(self, x, y):\n        self.x, self.y = x, y\n"] * 20

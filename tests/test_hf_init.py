@@ -11,13 +11,16 @@ import pytest
 import torch
 import transformers
 
-from mtp.checkpoint import load_checkpoint
 from mtp.config import ModelConfig
 from mtp.data.bpe import train_tokenizer
-from mtp.decoding import generate
-from mtp.hf import ExportError, export, init_from_pretrained, pretrained_config
-from mtp.loss import head_metrics, mtp_inputs_targets
-from mtp.model import MTPTransformer
+from mtp.decoding.generation import generate
+from mtp.interop.hf_export import export
+from mtp.interop.hf_import import init_from_pretrained, pretrained_config
+from mtp.model.checkpoint import load_checkpoint
+from mtp.model.transformer import MTPTransformer
+from mtp.train.loss import mtp_loss
+from mtp.train.targets import mtp_inputs_targets
+from mtp.util.errors import ExportError
 
 REPO = Path(__file__).resolve().parents[1]
 LLAMA3_EOS = "<|end_of_text|>"
@@ -149,7 +152,7 @@ def _head_losses(model, tokenizer) -> torch.Tensor:
     ids = torch.tensor(tokenizer.encode("".join(TEXTS)).ids[:8 * 35]).view(8, 35)
     inputs, targets = mtp_inputs_targets(ids, model.cfg.n_future)
     with torch.no_grad():
-        return head_metrics(model.eval(), inputs, targets).head_losses
+        return mtp_loss(model.eval(), inputs, targets, path="metrics").head_losses
 
 
 def test_medusa_1_trains_only_the_new_heads(tmp_path, llama3_tokenizer, monkeypatch):
@@ -205,7 +208,7 @@ def test_medusa_1_trains_only_the_new_heads(tmp_path, llama3_tokenizer, monkeypa
 
 def test_medusa_2_gives_the_pretrained_part_a_smaller_learning_rate():
     from mtp.config import LossConfig, OptimConfig
-    from mtp.module import MTPModule
+    from mtp.train.module import MTPModule
 
     cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, n_future=3,
                       max_seq_len=32)
@@ -220,7 +223,7 @@ def test_medusa_2_gives_the_pretrained_part_a_smaller_learning_rate():
 
 
 def test_self_targets_are_the_models_own_greedy_predictions():
-    from mtp.module import self_targets
+    from mtp.train.targets import self_targets
 
     torch.manual_seed(0)
     model = MTPTransformer(ModelConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=2,
@@ -238,7 +241,8 @@ def test_self_targets_are_the_models_own_greedy_predictions():
 
 def test_self_distillation_teaches_the_new_heads_the_models_own_continuations():
     from mtp.config import DataConfig, LossConfig, OptimConfig, RunConfig
-    from mtp.module import MTPModule, self_targets
+    from mtp.train.module import MTPModule
+    from mtp.train.targets import self_targets
 
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=2, n_future=3,
@@ -251,13 +255,13 @@ def test_self_distillation_teaches_the_new_heads_the_models_own_continuations():
     def head_losses():
         inputs, _ = mtp_inputs_targets(window, 3)
         with torch.no_grad():
-            return head_metrics(module.model, inputs, self_targets(module.model, window)
-                                ).head_losses
+            return mtp_loss(module.model, inputs, self_targets(module.model, window),
+                            path="metrics").head_losses
 
     before = head_losses()
     for _ in range(60):
         optimizer.zero_grad()
-        module.compute_loss(window).loss.backward()
+        mtp_loss(module.model, *module.inputs_targets(window)).loss.backward()
         optimizer.step()
     after = head_losses()
     assert after[0] == before[0] and (after[1:] < before[1:] - 0.5).all(), (before, after)
@@ -297,7 +301,7 @@ def test_fit_refuses_a_pretrained_tokenizer_that_does_not_fit(tmp_path, tokenize
 def test_the_end_of_text_token_is_the_pretrained_tokenizers_own(tmp_path, llama3_tokenizer):
     """tokenizer_config.json's eos_token (a string or an AddedToken dict), else the first
     eos_token_id of generation_config.json or config.json; an explicit --model.eot_token wins."""
-    from mtp.hf import pretrained_eos
+    from mtp.interop.hf_import import pretrained_eos
 
     path = _pretrained(tmp_path, llama3_tokenizer)
     assert pretrained_eos(path) == LLAMA3_EOS  # eos_token_id 0, from generation_config.json

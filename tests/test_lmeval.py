@@ -16,13 +16,13 @@ pytest.importorskip("transformers")
 import lm_eval  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
-from mtp.checkpoint import save_checkpoint  # noqa: E402
 from mtp.cli import main  # noqa: E402
 from mtp.config import ModelConfig  # noqa: E402
 from mtp.data.bpe import train_tokenizer  # noqa: E402
-from mtp.hf import export  # noqa: E402
-from mtp.lmeval import MTPLM  # noqa: E402
-from mtp.model import MTPTransformer  # noqa: E402
+from mtp.interop.hf_export import export  # noqa: E402
+from mtp.interop.lm_eval_model import MTPLM  # noqa: E402
+from mtp.model.checkpoint import save_checkpoint  # noqa: E402
+from mtp.model.transformer import MTPTransformer  # noqa: E402
 
 TEXTS = ["def add(a, b):\n    return a + b\n", "for i in range(10):\n    print(i)\n",
          "class Point:\n    def __init__(self, x, y):\n        self.x, self.y = x, y\n"] * 20

@@ -8,7 +8,7 @@ import pytest
 import torch
 from decoding_helpers import random_model, train_cyclic
 
-from mtp.decoding import generate
+from mtp.decoding.generation import generate
 from mtp.decoding.lookup import continuation
 
 torch.set_num_threads(1)

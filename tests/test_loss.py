@@ -8,19 +8,13 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mtp.config import ConfigError, LossConfig, ModelConfig, OptimConfig
-from mtp.heads import HEAD_TYPES
-from mtp.loss import (
-    IGNORE_INDEX,
-    head_metrics,
-    mtp_inputs_targets,
-    naive_mtp_loss,
-    scheduled_head_weights,
-    sequential_mtp_loss,
-)
-from mtp.model import MTPTransformer
-from mtp.module import MTPModule
-from mtp.parallel import run_ranks
+from mtp.config import HEAD_TYPES, LossConfig, ModelConfig, OptimConfig
+from mtp.model.transformer import MTPTransformer
+from mtp.train.loss import mtp_loss, naive_mtp_loss, scheduled_head_weights, sequential_mtp_loss
+from mtp.train.module import MTPModule
+from mtp.train.parallel import run_ranks
+from mtp.train.targets import IGNORE_INDEX, mtp_inputs_targets
+from mtp.util.errors import ConfigError
 
 
 def _setup(K, *, seed=0, V=101, B=3, T=17, ignore=True, **cfg_kw):
@@ -98,20 +92,20 @@ def test_sequential_under_bf16_autocast_tracks_fp32():
     _assert_grads_close(got, want, 5e-2)
 
 
-def test_head_metrics_match_naive():
+def test_the_metrics_path_matches_naive():
     model, inputs, targets = _setup(3)
     with torch.no_grad():
         naive = naive_mtp_loss(model, inputs, targets)
-        ours = head_metrics(model, inputs, targets, chunk=7)
+        ours = mtp_loss(model, inputs, targets, path="metrics")
     torch.testing.assert_close(ours.head_losses, naive.head_losses, rtol=1e-5, atol=0)
     torch.testing.assert_close(ours.head_accuracies, naive.head_accuracies.float())
     acc = sequential_mtp_loss(model, inputs, targets, with_accuracy=True).head_accuracies
     torch.testing.assert_close(acc, naive.head_accuracies.float())
 
 
-def test_sequential_loss_without_grad_mode_points_to_head_metrics():
+def test_sequential_loss_without_grad_mode_points_to_the_metrics_path():
     model, inputs, targets = _setup(2)
-    with torch.no_grad(), pytest.raises(RuntimeError, match="head_metrics"):
+    with torch.no_grad(), pytest.raises(RuntimeError, match="`metrics` path"):
         sequential_mtp_loss(model, inputs, targets)
 
 

@@ -23,15 +23,14 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
-from mtp.checkpoint import save_checkpoint
 from mtp.cli import main
-from mtp.config import ModelConfig
+from mtp.config import HEAD_TYPES, ModelConfig
 from mtp.data.bpe import train_tokenizer
-from mtp.heads import HEAD_TYPES
-from mtp.hf import ExportError
-from mtp.hf import export as export_hf
-from mtp.medusa import export
-from mtp.model import MTPTransformer
+from mtp.interop.hf_export import export as export_hf
+from mtp.interop.vllm_medusa import export
+from mtp.model.checkpoint import save_checkpoint
+from mtp.model.transformer import MTPTransformer
+from mtp.util.errors import ExportError
 
 V, K = 320, 4
 

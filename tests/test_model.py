@@ -6,10 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mtp.config import ConfigError, ModelConfig
-from mtp.heads import HEAD_TYPES
-from mtp.loss import mtp_inputs_targets, naive_mtp_loss
-from mtp.model import KVCache, MTPTransformer
+from mtp.config import HEAD_TYPES, ModelConfig
+from mtp.model.transformer import KVCache, MTPTransformer
+from mtp.train.loss import naive_mtp_loss
+from mtp.train.targets import mtp_inputs_targets
+from mtp.util.errors import ConfigError
 
 
 def reference_next_token_loss(state: dict, cfg: ModelConfig, idx: torch.Tensor) -> torch.Tensor:

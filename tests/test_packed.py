@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtp.config import ModelConfig
-from mtp.decoding import generate
+from mtp.decoding.generation import generate
 from mtp.decoding.packed import can_pack, packed_linears
-from mtp.model import MTPTransformer
+from mtp.model.transformer import MTPTransformer
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
                                 reason="torch built without oneDNN")

@@ -12,11 +12,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from mtp.checkpoint import load_checkpoint
 from mtp.config import ModelConfig
-from mtp.loss import IGNORE_INDEX, mtp_inputs_targets, naive_mtp_loss, sequential_mtp_loss
-from mtp.model import MTPTransformer
-from mtp.parallel import run_ranks
+from mtp.model.checkpoint import load_checkpoint
+from mtp.model.transformer import MTPTransformer
+from mtp.train.loss import naive_mtp_loss, sequential_mtp_loss
+from mtp.train.parallel import run_ranks
+from mtp.train.targets import IGNORE_INDEX, mtp_inputs_targets
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -26,7 +27,7 @@ def _fsdp_worker(rank, world, state, inputs, targets, accumulate, out_path):
     gradients (rank 0)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from mtp.parallel import full_model, shard_model
+    from mtp.train.parallel import full_model, shard_model
 
     torch.set_num_threads(1)
     model = MTPTransformer(ModelConfig(**state["cfg"]))

@@ -29,7 +29,7 @@ import torch
 import yaml
 
 from mtp.cli import main
-from mtp.fault import resume_command
+from mtp.train.fault import resume_command
 
 REPO = Path(__file__).resolve().parents[1]
 DEBUG = REPO / "configs" / "debug.yaml"
@@ -235,7 +235,7 @@ def test_a_sigterm_as_the_tokenising_workers_start_stops_the_run_once_they_have(
     leave workers that nothing stops."""
     from mtp.config import DataConfig
     from mtp.data import MTPDataModule
-    from mtp.fault import Interruptible, Stopped
+    from mtp.train.fault import Interruptible, Stopped
 
     release = threading.Event()
     other = threading.Thread(target=release.wait)
@@ -340,7 +340,7 @@ def test_kill_9_during_a_checkpoint_write_keeps_the_previous_one_and_the_next_ru
 
 def test_last_ckpt_is_the_latest_state_after_every_save_though_the_loss_rises(
         tiny_corpus, cache, tmp_path, monkeypatch, capsys):
-    from mtp.module import MTPModule
+    from mtp.train.module import MTPModule
 
     def rising(module, batch, batch_idx):  # the monitored loss: 2, 4, 6 at steps 2, 4, 6
         module.log("val/next_token_loss", float(module.global_step))

@@ -11,14 +11,7 @@ import pytest
 import yaml
 
 from mtp.cli import main
-from mtp.config import (
-    CompileConfig,
-    DataConfig,
-    LossConfig,
-    ModelConfig,
-    OptimConfig,
-    RunConfig,
-)
+from mtp.config import CompileConfig, DataConfig, LossConfig, ModelConfig, OptimConfig, RunConfig
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
@@ -135,9 +128,9 @@ def placeholders(tmp_path_factory) -> dict[str, str]:
     import torch
     from mtp.eval.data import load_benchmark
 
-    from mtp.checkpoint import save_checkpoint
     from mtp.data.bpe import train_tokenizer
-    from mtp.model import MTPTransformer
+    from mtp.model.checkpoint import save_checkpoint
+    from mtp.model.transformer import MTPTransformer
 
     d = tmp_path_factory.mktemp("readme")
     tok = train_tokenizer(["def fib(n):\n    return n\n"] * 20, 300, 10**6)

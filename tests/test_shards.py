@@ -17,11 +17,11 @@ from tokenizers import Tokenizer
 
 import mtp.data.encoder_pool
 import mtp.data.shards
-from mtp.checkpoint import EOT_TOKEN
 from mtp.config import DataConfig
 from mtp.data.bpe import tokenizer_sample, train_tokenizer
 from mtp.data.corpus import load_corpus, source_specs
 from mtp.data.shards import build_shards, load_shards
+from mtp.model.checkpoint import EOT_TOKEN
 
 
 def test_token_shards_are_cached_and_rebuilt_on_change(tiny_corpus, tmp_path):

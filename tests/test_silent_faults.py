@@ -14,17 +14,12 @@ import pytest
 import torch
 
 from mtp.cli import main
-from mtp.config import (
-    DataConfig,
-    InputError,
-    LossConfig,
-    ModelConfig,
-    OptimConfig,
-    read_yaml_mapping,
-)
+from mtp.config import DataConfig, LossConfig, ModelConfig, OptimConfig
 from mtp.data import MTPDataModule, ResumableSampler
 from mtp.data.corpus import _local_files, load_corpus
-from mtp.module import MTPModule, TokenizerInCheckpoint
+from mtp.train.module import MTPModule, TokenizerInCheckpoint
+from mtp.util.errors import InputError
+from mtp.util.yaml_file import read_yaml_mapping
 
 TINY = ModelConfig(vocab_size=300, d_model=16, n_layers=1, n_heads=2, n_future=2, max_seq_len=16)
 
@@ -202,7 +197,7 @@ def test_accumulated_batches_count_as_drawn(tiny_corpus, tmp_path):
 def _tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from mtp.checkpoint import EOT_TOKEN
+    from mtp.model.checkpoint import EOT_TOKEN
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -216,8 +211,8 @@ def _tokenizer():
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:
     """An untrained debug checkpoint with a 32-token context window."""
-    from mtp.checkpoint import save_checkpoint
-    from mtp.model import MTPTransformer
+    from mtp.model.checkpoint import save_checkpoint
+    from mtp.model.transformer import MTPTransformer
 
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("ckpt") / "tiny.ckpt"
@@ -263,7 +258,7 @@ def test_a_completions_line_that_is_not_utf8_names_file_and_line(tmp_path, capsy
 
 
 def test_eval_and_generate_refuse_a_folder_that_is_no_export(tmp_path, capsys):
-    from mtp.checkpoint import load_checkpoint
+    from mtp.model.checkpoint import load_checkpoint
 
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -305,7 +300,7 @@ def test_max_steps_without_a_length_is_refused_before_the_data(args, message, ca
 
 
 def test_max_steps_minus_one_with_decay_steps_passes_the_check():
-    from mtp.fit_cli import _check_max_steps
+    from mtp.train.cli import _check_max_steps
 
     _check_max_steps(-1, OptimConfig(decay_steps=100))  # trains until stopped
     with pytest.raises(ValueError, match="--optim.decay_steps N"):
@@ -374,8 +369,8 @@ def _corrupt(path: Path, tensor: torch.Tensor) -> None:
 def test_a_corrupted_tensor_in_a_checkpoint_is_refused_naming_file_and_tensor(ckpt, tmp_path):
     import shutil
 
-    from mtp.checkpoint import load_checkpoint
-    from mtp.digests import DIGESTS
+    from mtp.model.checkpoint import load_checkpoint
+    from mtp.util.digests import DIGESTS
 
     bad = tmp_path / "bad.ckpt"
     shutil.copy(ckpt, bad)
@@ -397,9 +392,10 @@ def test_a_corrupted_tensor_in_an_export_is_refused_naming_file_and_tensor(ckpt,
 
     from safetensors.torch import load_file
 
-    from mtp.checkpoint import load_checkpoint
-    from mtp.digests import DIGESTS
-    from mtp.hf import MTP_CONFIG, MTP_HEADS, ExportError, export, load_export
+    from mtp.interop.hf_export import export
+    from mtp.model.checkpoint import MTP_CONFIG, MTP_HEADS, load_checkpoint, load_export
+    from mtp.util.digests import DIGESTS
+    from mtp.util.errors import ExportError
 
     model, tok = load_checkpoint(ckpt)
     out = export(model, tok, tmp_path / "hf")
@@ -420,7 +416,7 @@ def test_a_corrupted_tensor_in_an_export_is_refused_naming_file_and_tensor(ckpt,
 
 def test_a_corrupted_training_checkpoint_is_refused_on_resume_and_load(tiny_corpus, tmp_path,
                                                                       capsys):
-    from mtp.checkpoint import load_checkpoint
+    from mtp.model.checkpoint import load_checkpoint
 
     path = tmp_path / "a.ckpt"
     _, dm = _fit(tiny_corpus, tmp_path / "cache", 4, 1, save_to=path)

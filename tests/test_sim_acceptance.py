@@ -1,4 +1,4 @@
-"""Simulated acceptance (`mtp.loss.simulated_acceptance`), logged at validation (checked in
+"""Simulated acceptance (`mtp.train.loss.simulated_acceptance`), logged at validation (checked in
 test_training's end-to-end fit): the chance that a chain of drafts is accepted under teacher
 forcing, against all heads' full logits; and `mtp bench decode`'s count of it over the
 positions decoding drafts from, against the rounds decoding runs."""
@@ -10,9 +10,9 @@ import torch
 
 from mtp.bench.validation import chain_acceptance
 from mtp.config import ModelConfig
-from mtp.decoding import generate
-from mtp.loss import simulated_acceptance
-from mtp.model import MTPTransformer
+from mtp.decoding.generation import generate
+from mtp.model.transformer import MTPTransformer
+from mtp.train.loss import simulated_acceptance
 
 
 def _reference(model: MTPTransformer, window: torch.Tensor) -> list[float]:

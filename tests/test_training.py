@@ -14,12 +14,12 @@ import yaml
 from lightning.pytorch.cli import LightningArgumentParser
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from mtp.checkpoint import load_checkpoint
 from mtp.cli import main
 from mtp.config import DataConfig, LossConfig, ModelConfig, OptimConfig
 from mtp.data import MTPDataModule
-from mtp.fit_cli import add_run_arguments, run_config
-from mtp.module import MTPModule, TokenizerInCheckpoint, lr_factor
+from mtp.model.checkpoint import load_checkpoint
+from mtp.train.cli import add_run_arguments, run_config
+from mtp.train.module import MTPModule, TokenizerInCheckpoint, lr_factor
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ModelConfig(vocab_size=300, d_model=32, n_layers=1, n_heads=2, n_future=2, max_seq_len=32)
@@ -189,7 +189,7 @@ def test_invalid_values_name_every_flag(capsys):
 
 
 def test_a_user_error_is_two_lines_and_debug_shows_the_traceback(tmp_path, capsys):
-    from mtp.config import MissingInput
+    from mtp.util.errors import MissingInput
 
     args = ["fit", "--config", str(REPO / "configs" / "debug.yaml"), "--data.source",
             str(tmp_path / "missing"), "--data.cache_dir", str(tmp_path / "cache")]
@@ -203,13 +203,14 @@ def test_a_user_error_is_two_lines_and_debug_shows_the_traceback(tmp_path, capsy
 
 
 def test_a_ctrl_c_is_one_line_and_exit_status_130(monkeypatch, capsys):
-    """Outside `mtp fit` (which keeps what it can, `mtp.fault`): no KeyboardInterrupt trace."""
-    import mtp.decode_cli
+    """Outside `mtp fit` (which keeps what it can, `mtp.train.fault`): no KeyboardInterrupt trace.
+    """
+    import mtp.decoding.cli
 
     def interrupted(argv):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(mtp.decode_cli, "generate_main", interrupted)
+    monkeypatch.setattr(mtp.decoding.cli, "generate_main", interrupted)
     assert main(["generate", "--prompt", "x"]) == 130
     assert capsys.readouterr().err.strip() == "mtp generate: interrupted"
     with pytest.raises(KeyboardInterrupt):
@@ -224,7 +225,8 @@ def test_mtp_fit_end_to_end(tiny_corpus, tmp_path, monkeypatch, capsys):
     assert code == 0
     out = capsys.readouterr().out
     assert "head 1: loss" in out and "head 2: loss" in out and "sample (temperature 0.7" in out
-    # no terminal: plain progress lines (mtp.loglines), every log_every_n_steps and at the end
+    # no terminal: plain progress lines (mtp.train.log_lines), every log_every_n_steps and at the
+    # end
     lines = out.splitlines()
     steps = [line for line in lines if re.match(r"step \d+/12  loss [\d.]+  heads [\d.]+ [\d.]+  "
                                                 r"lr \S+  [\d,]+ tok/s  [\d.]+ s/step  left \S+$",
@@ -279,7 +281,8 @@ def test_training_learns_far_below_unigram_entropy(tiny_corpus, tmp_path):
     """A thousand steps of a small model: head-1 validation loss well under the unigram
     entropy (the loss of the best model that ignores context), for both loss strategies."""
     from mtp.data import unigram_entropy
-    from mtp.loss import head_metrics, mtp_inputs_targets
+    from mtp.train.loss import mtp_loss
+    from mtp.train.targets import mtp_inputs_targets
 
     cfg = ModelConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=2, n_future=2,
                       max_seq_len=64)
@@ -293,30 +296,34 @@ def test_training_learns_far_below_unigram_entropy(tiny_corpus, tmp_path):
                   enable_progress_bar=False, limit_val_batches=0,
                   use_distributed_sampler=False).fit(module, datamodule=dm)
         module.model.eval()
-        losses = torch.stack([head_metrics(module.model, *mtp_inputs_targets(b, 2)).head_losses
+        losses = torch.stack([mtp_loss(module.model, *mtp_inputs_targets(b, 2),
+                                       path="metrics").head_losses
                               for b in dm.val_dataloader()]).mean(0)
         entropy = unigram_entropy(dm.val_tokens, dm.tokenizer.get_vocab_size())
         assert losses[0] < 0.75 * entropy, (strategy, float(losses[0]), entropy)
         assert losses[1] < entropy
 
 
-def test_train_accuracy_is_computed_on_the_steps_that_are_logged(tiny_corpus, tmp_path):
-    """The sequential pass computes accuracy only on logging steps; each logged value must come
+def test_train_accuracy_is_computed_on_the_steps_that_are_logged(tiny_corpus, tmp_path,
+                                                                 monkeypatch):
+    """The sequential path computes accuracy only on logging steps; each logged value must come
     from the step it is logged under, not from an earlier one."""
     import csv
 
     from lightning.pytorch.loggers import CSVLogger
 
-    computed = []
+    import mtp.train.module
+    from mtp.train.loss import mtp_loss
 
-    class Probe(MTPModule):
-        def compute_loss(self, window, *, with_accuracy=True, **kw):
-            if self.training and with_accuracy:
-                computed.append(self.global_step)
-            return super().compute_loss(window, with_accuracy=with_accuracy, **kw)
+    asked = []  # with_accuracy of each training step's loss, in step order
 
+    def probe(*args, with_accuracy=False, **kw):
+        asked.append(with_accuracy)
+        return mtp_loss(*args, with_accuracy=with_accuracy, **kw)
+
+    monkeypatch.setattr(mtp.train.module, "mtp_loss", probe)
     L.seed_everything(0)
-    module = Probe(TINY, OptimConfig(warmup_steps=2, decay_steps=20), LossConfig("sequential"))
+    module = MTPModule(TINY, OptimConfig(warmup_steps=2, decay_steps=20), LossConfig("sequential"))
     dm = MTPDataModule(DataConfig(source=str(tiny_corpus), cache_dir=str(tmp_path / "cache"),
                                   seq_len=16, batch_size=4, val_fraction=0.1),
                        vocab_size=TINY.vocab_size, n_future=TINY.n_future)
@@ -325,7 +332,8 @@ def test_train_accuracy_is_computed_on_the_steps_that_are_logged(tiny_corpus, tm
               use_distributed_sampler=False).fit(module, datamodule=dm)
     rows = csv.DictReader((tmp_path / "lightning_logs" / "version_0" / "metrics.csv").open())
     logged = [int(r["step"]) for r in rows if r.get("train/acc_head1")]
-    assert logged and logged == computed == [3, 7, 11]
+    computed = [step for step, yes in enumerate(asked) if yes]
+    assert len(asked) == 12 and logged == computed == [3, 7, 11]
 
 
 HELP_LINES = [[], ["fit"], ["validate"], ["generate"], ["eval"], ["export"], ["export", "hf"],
@@ -361,15 +369,15 @@ def test_every_help_imports_nothing_heavy():
 def test_stored_fit_help_is_what_lightning_cli_prints():
     """`mtp fit --help` prints a stored copy (Lightning takes seconds to build it); the copy
     must be the live text of a fresh process (the help lists the callback classes imported), or
-    `python -m mtp.fit_help` must be rerun."""
-    code = ("import json\nfrom mtp import fit_help\n"
+    `python -m mtp.train.fit_help` must be rerun."""
+    code = ("import json\nfrom mtp.train import fit_help\n"
             "print(json.dumps({c: [fit_help.stored_help(c), fit_help.live_help(c)] "
             "for c in fit_help.COMMANDS}))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     for command, (stored, live) in json.loads(proc.stdout.splitlines()[-1]).items():
-        assert stored is not None, f"mtp/fit_help/{command}.txt is missing or stale"
-        assert stored == live, f"`mtp {command} --help` changed: rerun `python -m mtp.fit_help`"
+        assert stored is not None, f"mtp/train/fit_help/{command}.txt is missing or stale"
+        assert stored == live, f"`mtp {command} --help` changed: rerun `python -m mtp.train.fit_help`"
         assert "--model.n_future" in stored and "--trainer.max_steps" in stored
 
 
@@ -389,7 +397,7 @@ def test_a_malformed_config_file_is_named_with_its_line(tmp_path, capsys, text, 
 def test_mtp_cli_overrides_no_private_lightning_cli_method():
     from lightning.pytorch.cli import LightningCLI
 
-    from mtp.fit_cli import MTPCLI
+    from mtp.train.cli import MTPCLI
 
     private = [n for n in vars(MTPCLI) if n.startswith("_") and not n.startswith("__")
                and hasattr(LightningCLI, n)]

@@ -25,7 +25,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from mtp.config import DECODERS, HEAD_TYPES
+from mtp.config import HEAD_TYPES
+from mtp.decoding.names import DECODERS
 
 __all__ = ["PROMPT_TOKENS", "TRANSFORMERS_DECODERS", "comma_ints", "main", "parser"]
 
@@ -96,7 +97,7 @@ def _kernel_args(p: argparse.ArgumentParser) -> None:
 
 
 def _decode_args(p: argparse.ArgumentParser) -> None:
-    from mtp.decode_cli import decoding_args, device_args
+    from mtp.decoding.cli import decoding_args, device_args
 
     p.add_argument("--ckpt", required=True, help="checkpoint to decode with")
     p.add_argument("--prompts", default="humaneval",
@@ -139,7 +140,7 @@ def _decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=1, help="untimed prompts before measuring")
     p.add_argument("--transformers", default="", metavar="DECODERS",
                    help="also time transformers' generate on the same weights (head 1 as a "
-                        "LlamaForCausalLM, mtp.hf), comma-separated from "
+                        "LlamaForCausalLM, mtp.model.llama_layout), comma-separated from "
                         + ", ".join(TRANSFORMERS_DECODERS) + "; greedy, one prompt at a time; "
                         "its prompt-lookup takes --lookup and --lookup-ngram as mtp's lookup does "
                         "(prompt_lookup_num_tokens, max_matching_ngram_size)")

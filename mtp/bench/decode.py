@@ -4,18 +4,18 @@ On each prompt the decoders take turns, `--repeat` times, and each prompt's time
 its repeats, so a change in machine load hits every decoder alike. It reports L, the per-depth
 acceptance, ms per token, the speedup against greedy measured in the same run, each round's time
 beside a bare forward of the model over the same number of tokens, the time split and the
-output-equality check, as a table and a CSV. `--oracle` adds decoders that draft the tokens
-greedy emits: an upper bound that measures the loop's own cost, whatever the heads are worth.
-`--transformers` adds transformers' own `generate` (greedy, prompt lookup) on the same weights,
-head 1 as a `LlamaForCausalLM` (`mtp.hf`), taking its turns on each prompt with mtp's decoders.
-Decoder `lookup` is prompt lookup in mtp's loop; `--lookup N` adds a twin of every heads' row
-whose rounds also verify prompt lookup's continuation as one more branch, and sets transformers'
-prompt lookup too (`--lookup-ngram` likewise): one pair of flags for one setting.
-The decoding flags are `mtp generate`'s (`mtp.decode_cli`): each row is a
-`mtp.decoding.DecodeRequest`, checked with the model before anything runs.
+output-equality check, as a table and a CSV. `--oracle` adds decoders that draft the tokens greedy
+emits: an upper bound that measures the loop's own cost, whatever the heads are worth.
+`--transformers` adds transformers' own `generate` (greedy, prompt lookup) on the same weights, head
+1 as a `LlamaForCausalLM` (`mtp.model.llama_layout`), taking its turns on each prompt with mtp's
+decoders. Decoder `lookup` is prompt lookup in mtp's loop; `--lookup N` adds a twin of every heads'
+row whose rounds also verify prompt lookup's continuation as one more branch, and sets transformers'
+prompt lookup too (`--lookup-ngram` likewise): one pair of flags for one setting. The decoding flags
+are `mtp generate`'s (`mtp.decoding.cli`): each row is a `mtp.decoding.DecodeRequest`, checked with
+the model before anything runs.
 
-`--prompts validation` cuts the prompts from the checkpoint's validation text, so that L can be
-set beside the simulated acceptance that validation logs (`mtp.loss.simulated_acceptance`). For
+`--prompts validation` cuts the prompts from the checkpoint's validation text, so that L can be set
+beside the simulated acceptance that validation logs (`mtp.train.loss.simulated_acceptance`). For
 greedy runs each self-spec row gets that simulated L over the positions its rounds draft from:
 `sim_L_text` on the text that follows each prompt in the validation text (teacher forcing, as
 validation computes it), `sim_L_greedy` on greedy's own continuation, the text the rounds verify.
@@ -36,7 +36,7 @@ import torch
 from mtp.bench import PROMPT_TOKENS, TRANSFORMERS_DECODERS
 from mtp.bench.report import publish
 from mtp.bench.validation import VALIDATION, simulated, simulated_note, validation_windows
-from mtp.decode_cli import (
+from mtp.decoding.cli import (
     check_args,
     decode_request,
     flag,
@@ -45,10 +45,12 @@ from mtp.decode_cli import (
     request_problems,
     text_decoder,
 )
-from mtp.decoding import PHASES, DecodeRequest, DecodeStats, Tree, generate, head_accuracy
+from mtp.decoding.generation import generate
 from mtp.decoding.policy import Adaptive
-from mtp.decoding.request import HEAD_DECODERS
+from mtp.decoding.request import HEAD_DECODERS, DecodeRequest
+from mtp.decoding.stats import PHASES, DecodeStats
 from mtp.decoding.stopper import Stopper
+from mtp.decoding.tree import Tree, head_accuracy
 
 
 @dataclass
@@ -78,15 +80,16 @@ class _Config:
 
 
 class _Transformers:
-    """transformers' `generate` on the weights of head 1: the `LlamaForCausalLM` of `mtp.hf`,
-    built in memory, decoding one prompt a call where mtp's decoders stop (end-of-text, max new
-    tokens, the context window, stop strings), with its forwards counted for L."""
+    """transformers' `generate` on the weights of head 1: the `LlamaForCausalLM` of
+    `mtp.model.llama_layout`, built in memory, decoding one prompt a call where mtp's decoders stop
+    (end-of-text, max new tokens, the context window, stop strings), with its forwards counted for
+    L."""
 
     def __init__(self, model, tokenizer, eot: int, stop: list[str], decode,
                  lookup: dict[str, int]) -> None:
         import transformers
 
-        from mtp.hf import llama_config, llama_state
+        from mtp.model.llama_layout import llama_config, llama_state
 
         state = llama_state(model)  # refuses what the Llama layout cannot hold
         config = dict(llama_config(model.cfg, tokenizer, model.embed.weight.dtype))
@@ -358,7 +361,7 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     requests = _requests(args, decoders, tree)
     refuse(p, problems + _flag_problems(args) + hf_problems + request_problems(requests, _flag))
     model, tokenizer, draft, draft_tokenizer = load(p, args, draft="draft" in decoders)
-    from mtp.vocab import eot_id
+    from mtp.model.vocab import eot_id
 
     k = model.cfg.n_future
     heads = args.heads or list(range(2, k + 1))
@@ -385,7 +388,7 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     sampled = bool(args.temperature)
     hf = lookup = None
     if hf_decoders:
-        from mtp.hf import ExportError
+        from mtp.util.errors import ExportError
 
         # transformers' prompt lookup takes mtp's lookup settings.
         lookup = decode_request(args, decoder="lookup")

@@ -22,15 +22,16 @@ import torch
 from mtp.bench.report import format_table, publish
 from mtp.bench.timing import current_rss, median_ms, peak_rss, reset_peak_rss
 from mtp.config import ModelConfig
-from mtp.loss import IGNORE_INDEX, mtp_inputs_targets, naive_heads_loss, sequential_heads_loss
-from mtp.model import MTPTransformer
+from mtp.model.transformer import MTPTransformer
+from mtp.train.loss import heads_loss, sequential_path
+from mtp.train.targets import IGNORE_INDEX, mtp_inputs_targets
 
 
 def fwd_bwd_from_loss(loss_fn: Callable[..., torch.Tensor]) -> Callable:
     """Adapt a differentiable `loss_fn(hidden, weight, targets, ignore_index=...)` (an unfused
     cross-entropy, or another library's fused one) to the interface of
-    `mtp.kernels.linear_cross_entropy_fwd_bwd`, which `mtp.loss.sequential_heads_loss` calls,
-    through autograd."""
+    `mtp.kernels.linear_cross_entropy_fwd_bwd`, which the sequential path of `mtp.train.loss`
+    calls (`sequential_path`), through autograd."""
 
     def fwd_bwd(hidden, weight, targets, dweight_acc, *, scale=1.0, ignore_index=IGNORE_INDEX):
         with torch.enable_grad():
@@ -66,7 +67,7 @@ def _ce_functions(device: torch.device) -> dict[str, Callable | None]:
 def _loss_step(spec: dict, N: int, V: int, mesh=None) -> Callable[[], None]:
     """One loss-path forward and backward (trunk output -> heads -> loss -> dL/dh).
 
-    With a device mesh every head is its own FSDP2 unit (as `mtp.parallel.shard_model` makes
+    With a device mesh every head is its own FSDP2 unit (as `mtp.train.parallel.shard_model` makes
     it); the shared norm and unembedding, which FSDP keeps gathered through the step as the root
     unit, stay whole.
     """
@@ -88,13 +89,11 @@ def _loss_step(spec: dict, N: int, V: int, mesh=None) -> Callable[[], None]:
     _, targets = mtp_inputs_targets(torch.randint(0, V, (B, T + K), device=device), K)
     rope = model.rotary(torch.arange(T, device=device).expand(B, -1))
     ce = _ce_functions(device)[spec["method"]]
+    path = "naive" if ce is None else sequential_path(ce)
 
     def step() -> None:
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            if ce is None:
-                out = naive_heads_loss(model, h, rope, targets)
-            else:
-                out = sequential_heads_loss(model, h, rope, targets, fwd_bwd=ce)
+            out = heads_loss(model, h, rope, targets, path=path)
         out.loss.backward()
         model.zero_grad(set_to_none=False)  # gradient buffers stay: they belong to the step
         h.grad = None
@@ -108,7 +107,7 @@ def _measure(spec: dict) -> dict:
     if spec.get("ranks", 1) > 1:
         import tempfile
 
-        from mtp.parallel import run_ranks
+        from mtp.train.parallel import run_ranks
 
         with tempfile.TemporaryDirectory() as tmp:
             run_ranks(_loss_rank, spec["ranks"], spec, tmp,

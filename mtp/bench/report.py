@@ -1,7 +1,7 @@
 """How every benchmark reports: a fixed-width table on stdout and rows appended to a CSV.
 
 Each CSV row carries what produced it: the benchmark's own settings (its columns), the exact
-command line, and the environment (`mtp.environment.environment`: hardware, threads, versions,
+command line, and the environment (`mtp.util.environment.environment`: hardware, threads, versions,
 git revision, time). A CSV is only ever appended to; rows with another set of columns start a
 new file beside it, so an older run's rows are never rewritten or misread under new headers.
 """
@@ -12,7 +12,7 @@ import csv
 import os
 from pathlib import Path
 
-from mtp.environment import environment
+from mtp.util.environment import environment
 
 __all__ = ["format_table", "publish", "write_csv"]
 

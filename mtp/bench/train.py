@@ -11,9 +11,10 @@ from mtp.bench.kernel import peak_tflops
 from mtp.bench.report import publish
 from mtp.bench.timing import interleaved_median_ms
 from mtp.config import ModelConfig
-from mtp.loss import mtp_inputs_targets, naive_mtp_loss, sequential_mtp_loss
-from mtp.model import MTPTransformer
-from mtp.module import compile_blocks
+from mtp.model.transformer import MTPTransformer
+from mtp.train.loss import naive_mtp_loss, sequential_mtp_loss
+from mtp.train.module import compile_blocks
+from mtp.train.targets import mtp_inputs_targets
 
 
 def _train_step(model, opt, loss_fn, inputs, targets, dtype) -> Callable[[], None]:

@@ -1,10 +1,10 @@
 """`mtp bench decode --prompts validation`: prompts cut from a checkpoint's validation text, and
-the simulated acceptance (`mtp.loss.simulated_acceptance`) over the positions the decoders draft
-from, so that the L decoding measures stands beside the L that validation logs.
+the simulated acceptance (`mtp.train.loss.simulated_acceptance`) over the positions the decoders
+draft from, so that the L decoding measures stands beside the L that validation logs.
 
 The validation text is the one `mtp fit` validated on: the documents its data config holds out
 (`mtp.data.corpus.in_validation`), read again and tokenised with the checkpoint's tokenizer, the
-data's own (`mtp.module.TokenizerInCheckpoint`). A prompt is a window of it, and the
+data's own (`mtp.train.module.TokenizerInCheckpoint`). A prompt is a window of it, and the
 `--max-new-tokens` tokens after the window are its continuation in the text.
 """
 
@@ -28,8 +28,8 @@ def validation_windows(p, args, model, tokenizer, given: str) -> list[list[int]]
     """Windows of `--prompt-tokens` + `--max-new-tokens` tokens of the validation text of
     `--prompts validation[=given]`: `--limit` of them spread evenly over it, else every window
     end to end. Each is a prompt and the text that follows it."""
-    from mtp.config import UserError
-    from mtp.vocab import eot_id
+    from mtp.model.vocab import eot_id
+    from mtp.util.errors import UserError
 
     n, new, window = args.prompt_tokens or PROMPT_TOKENS, args.max_new_tokens, \
         model.cfg.max_seq_len
@@ -82,7 +82,9 @@ def validation_data(p, ckpt: str, given: str):
 
 def data_config(p, path: Path, what: str):
     """The `data` section of the `mtp fit` config at `path`, as a `DataConfig`."""
-    from mtp.config import ConfigError, DataConfig, InputError, read_yaml_mapping
+    from mtp.config import DataConfig
+    from mtp.util.errors import ConfigError, InputError
+    from mtp.util.yaml_file import read_yaml_mapping
 
     try:
         data = read_yaml_mapping(path, what).get("data") or {}
@@ -105,8 +107,8 @@ def validation_tokens(data, tokenizer, eot: int) -> list[int]:
     order, each document's tokens followed by `eot`, as `mtp fit` writes its validation shards.
     (Where `--data.max_tokens` stops a source early, the shards hold only the documents before
     the stop.)"""
-    from mtp.config import InputError
     from mtp.data.corpus import DocumentReader, in_validation, source_specs
+    from mtp.util.errors import InputError
 
     tokens: list[int] = []
     for spec in source_specs(data):
@@ -134,7 +136,7 @@ def window_starts(n_tokens: int, span: int, count: int | None) -> list[int]:
 def chain_acceptance(model, sequences: list[list[int]], starts: list[int]
                      ) -> tuple[torch.Tensor, int]:
     """Under teacher forcing on `sequences`, per draft depth d = 1..K-1, the share of positions
-    at which heads 2..d+1 all draft what greedy emits (`mtp.loss.simulated_acceptance`), over
+    at which heads 2..d+1 all draft what greedy emits (`mtp.train.loss.simulated_acceptance`), over
     the positions from starts[i] of each sequence to the last whose K - 1 next tokens it holds;
     and the number of those positions.
 
@@ -144,7 +146,7 @@ def chain_acceptance(model, sequences: list[list[int]], starts: list[int]
     window from its first, and the model is causal, so the count from `start` on is the count
     over the whole sequence less the count over the positions before `start`.
     """
-    from mtp.loss import simulated_acceptance
+    from mtp.train.loss import simulated_acceptance
 
     K, device = model.cfg.n_future, next(model.parameters()).device
 
@@ -189,7 +191,7 @@ def simulated_note(sim: dict[str, tuple[torch.Tensor, int]]) -> str:
              "greedy": "greedy's own continuation (the text the rounds verify)"}
     return "\n".join(
         ["sim_L_text, sim_L_greedy: the L of a self-spec chain of h heads under teacher forcing "
-         "(mtp.loss.simulated_acceptance, validation's val/sim_tokens_per_forward) over the "
+         "(mtp.train.loss.simulated_acceptance, validation's val/sim_tokens_per_forward) over the "
          "positions the rounds may draft from, each prompt's last token on; L also counts the "
          "prefill's forward"]
         + [f"  {name}: {texts[name]}, {sim[name][1]} positions: {rates(sim[name][0])}"

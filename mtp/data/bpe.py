@@ -14,9 +14,9 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from mtp.checkpoint import EOT_TOKEN
-from mtp.config import InputError, MissingInput
 from mtp.data.corpus import DocumentReader, SourceSpec, in_validation
+from mtp.model.checkpoint import EOT_TOKEN
+from mtp.util.errors import InputError, MissingInput
 
 #: The longest run of one kind of character (letters, digits, other symbols, whitespace: the
 #: byte-level pre-tokenizer's words) that the trainer sees whole. Its merges take time quadratic
@@ -85,7 +85,7 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     if not path.is_file():
         raise MissingInput(f"--data.tokenizer {path} does not exist")
     if path.suffix.lower() == ".gguf":
-        from mtp import gguf
+        from mtp.interop import gguf
 
         return gguf.read_tokenizer(path)
     try:

@@ -18,7 +18,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from mtp.config import DataConfig, InputError, MissingInput
+from mtp.config import DataConfig
+from mtp.util.errors import InputError, MissingInput
 
 log = logging.getLogger(__name__)
 

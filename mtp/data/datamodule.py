@@ -15,12 +15,13 @@ import torch
 from tokenizers import Tokenizer
 from torch.utils.data import ConcatDataset, DataLoader, Dataset, Sampler
 
-from mtp.atomic import atomic_write
-from mtp.checkpoint import EOT_TOKEN
-from mtp.config import DataConfig, InputError
+from mtp.config import DataConfig
 from mtp.data.bpe import check_tokenizer, load_tokenizer, tokenizer_sample, train_tokenizer
 from mtp.data.corpus import SourceSpec, source_specs, spec_key
 from mtp.data.shards import SPLITS, build_shards, load_shards, locked, shard_root
+from mtp.model.checkpoint import EOT_TOKEN
+from mtp.util.atomic import atomic_write
+from mtp.util.errors import InputError
 
 # -- windows and samplers -----------------------------------------------------------------------
 

@@ -112,7 +112,7 @@ def _serial_tokenizers_env() -> Iterator[None]:
 @contextmanager
 def _signals_held() -> Iterator[None]:
     """SIGINT and SIGTERM wait until the block ends, blocked in this thread (a handler that
-    finds them blocked, `mtp.fault`'s, leaves them pending here). The first submit starts the
+    finds them blocked, `mtp.train.fault`'s, leaves them pending here). The first submit starts the
     workers: a handler raising there would raise in a callback of `os.fork`, where Python prints
     and ignores the exception, or between the executor's steps of starting, leaving workers that
     nothing stops, so that the process never exits."""

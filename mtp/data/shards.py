@@ -33,11 +33,11 @@ import numpy as np
 from tokenizers import Tokenizer
 from tqdm.auto import tqdm
 
-from mtp.atomic import rename, write_json
-from mtp.checkpoint import EOT_TOKEN
-from mtp.config import InputError
 from mtp.data.corpus import DocumentReader, SourceSpec, check_split_sizes, spec_key
 from mtp.data.encoder_pool import EncoderPool, document_batches
+from mtp.model.checkpoint import EOT_TOKEN
+from mtp.util.atomic import rename, write_json
+from mtp.util.errors import InputError
 
 log = logging.getLogger(__name__)
 

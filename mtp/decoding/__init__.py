@@ -1,4 +1,5 @@
-"""Decoding: greedy and sampling baselines, self-speculation (chain, tree), draft-model speculation.
+"""The decoding stage: greedy and sampling baselines, self-speculation (chain, tree), draft-model
+speculation.
 
 `generate` validates a request (`request`: every rule once, each problem naming its field) and
 runs the one decode loop (`engine`) with one drafter (`drafters`): plain decoding proposes
@@ -10,176 +11,28 @@ nothing; `self-spec` and `tree` draft with heads 2..h (parallel heads run as one
 speculative sampling draws from the distribution of plain sampling (`sampling`). `tree` holds the
 candidate trees, `stopper` the stop conditions, `stats` what a call did, and `policy` how many
 drafts a round verifies (all it can, or as many as pay).
+
+`generate` (`generation`) is the entry point, `cli` the `mtp generate` command and the decoding
+flags `mtp bench decode` shares. Imports the model stage only. Names are imported when first
+used, so the command line's `--help` loads no torch.
 """
 
-from __future__ import annotations
+from mtp.util.lazy import lazy_exports
 
-import time
-from collections.abc import Callable, Sequence
-
-import torch
-
-from mtp.config import DECODERS, LOOKUP_TOKENS
-from mtp.decoding.chained import ChainedHeads
-from mtp.decoding.drafters import Drafter, DraftModel, Oracle, ParallelHeads, ParallelHeadsTree
-from mtp.decoding.engine import Context, new_cache, run
-from mtp.decoding.lookup import Lookup, LookupChain
-from mtp.decoding.packed import packed_linears
-from mtp.decoding.policy import Adaptive, Fixed
-from mtp.decoding.request import HEAD_DECODERS, DecodeRequest, RequestError
-from mtp.decoding.sampling import Sampling, probs_from_logits, sample_from_logits
-from mtp.decoding.stats import PHASES, DecodeStats, Timer
-from mtp.decoding.stopper import Stop, Stopper
-from mtp.decoding.tree import Tree, head_accuracy
-from mtp.model import MTPTransformer
-
-__all__ = [
-    "DECODERS",
-    "LOOKUP_TOKENS",
-    "PHASES",
-    "DecodeRequest",
-    "DecodeStats",
-    "RequestError",
-    "Sampling",
-    "Tree",
-    "generate",
-    "head_accuracy",
-    "probs_from_logits",
-    "sample_from_logits",
-]
-
-
-def _as_prompts(input_ids: torch.Tensor | Sequence[Sequence[int]]) -> list[list[int]]:
-    if isinstance(input_ids, torch.Tensor):
-        if input_ids.dim() == 1:
-            input_ids = input_ids[None]
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be (B, T) or (T,) (got shape "
-                             f"{tuple(input_ids.shape)})")
-        return input_ids.tolist()
-    return [list(map(int, p)) for p in input_ids]
-
-
-@torch.no_grad()
-def generate(
-    model: MTPTransformer,
-    input_ids: torch.Tensor | Sequence[Sequence[int]],
-    max_new_tokens: int,
-    *,
-    decoder: str = "greedy",
-    temperature: float | None = None,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    heads: int | None = None,
-    tree: Tree | None = None,
-    draft_model: MTPTransformer | None = None,
-    gamma: int = 4,
-    adaptive: bool | Adaptive = False,
-    reference: Sequence[Sequence[int]] | None = None,
-    lookup: int = 0,
-    lookup_ngram: int = 2,
-    eot_id: int | None = None,
-    stop: Sequence[Stop] = (),
-    decode: Callable[[list[int]], str] | None = None,
-    generator: torch.Generator | None = None,
-    on_tokens: Callable[[int, list[int], int], None] | None = None,
-) -> tuple[list[list[int]], DecodeStats]:
-    """Continue each prompt by up to `max_new_tokens` tokens.
-
-    Args:
-        model: the target model (eval mode; any dtype, any device).
-        input_ids: a (B, T) or (T,) tensor, or a list of token lists of any lengths.
-        max_new_tokens: the most new tokens per row (>= 1).
-        decoder: `greedy`, `sample` (baselines, one token per forward), `self-spec` (heads 2..h
-            draft a chain), `tree` (heads 2..h draft a tree) or `draft` (a separate model drafts).
-            `lookup` drafts by prompt lookup alone (`mtp.decoding.lookup`). `oracle` drafts
-            `reference` instead: an upper bound for measuring the loop itself.
-        temperature: 0 or None is greedy for every decoder but `sample`, for which None means 1.
-            Speculative decoders with temperature > 0 sample exactly from the same distribution
-            as `sample`.
-        top_k: sampling keeps the k most likely tokens.
-        top_p: sampling keeps the nucleus of mass top_p.
-        heads: heads used by `self-spec` and `tree`, 1..K (default K); h heads draft h - 1 tokens.
-        tree: the candidate tree of `tree` (default `Tree.from_widths([3, 2, 1, 1, ...])`).
-        draft_model: the drafting model of `draft` (its head 1 is used; same vocabulary).
-        gamma: tokens the draft model (or the oracle) proposes per round.
-        adaptive: each round verifies only as many drafts as pay at the current batch size and
-            acceptance (`mtp.decoding.policy.Adaptive`); the output is unchanged. Pass one
-            `Adaptive` to many calls to keep what it measured from call to call.
-        reference: each row's continuation for `oracle` (e.g. greedy's output).
-        lookup: with `self-spec` or `tree`, also verify up to this many tokens copied by
-            prompt lookup, as one more branch of the round's tree; with `lookup`, the most
-            drafts a round copies (0: `LOOKUP_TOKENS`). Greedy only.
-        lookup_ngram: prompt lookup matches the last lookup_ngram..1 tokens.
-        eot_id: end-of-text token; a row stops after emitting it.
-        stop: strings that end a row once its new text contains one, or predicates that end it
-            once they hold of its new text and stay true as it grows (needs `decode`).
-        decode: token ids -> text, for stop strings.
-        generator: random generator for sampling (seed it for reproducible samples).
-        on_tokens: called as on_tokens(row, tokens, drafted) whenever a row's tokens are
-            accepted; the first `drafted` of them came from accepted drafts, the last from the
-            verifier.
-
-    Returns:
-        Each row's new tokens (the stopping token included) and the decoding statistics.
-
-    Raises:
-        RequestError: a `ValueError` with every problem of the request (`DecodeRequest`), each
-            naming its argument.
-    """
-    prompts = _as_prompts(input_ids)
-    request = DecodeRequest(max_new_tokens=max_new_tokens, decoder=decoder, temperature=temperature,
-                            top_k=top_k, top_p=top_p, heads=heads, tree=tree, gamma=gamma,
-                            lookup=lookup, lookup_ngram=lookup_ngram)
-    request.check(model, draft_model, prompts=prompts, reference=reference, stop=stop,
-                  decode=decode, measuring=True)
-    heads = model.cfg.n_future if heads is None else heads
-    window = request.window(model, draft_model)
-    longest = max(len(p) for p in prompts)
-
-    stats = DecodeStats()
-    start = time.perf_counter()
-    one_head = decoder in HEAD_DECODERS and heads == 1
-    if decoder in ("greedy", "sample") or (one_head and not lookup):
-        # One head drafts nothing: plain decoding.
-        drafter = Drafter()
-    elif decoder == "lookup" or one_head:
-        drafter = LookupChain(Lookup(request.lookup_tokens, lookup_ngram))
-    elif decoder == "self-spec" and lookup:
-        # The heads' chain and the lookup's continuation: a tree of two branches.
-        drafter = ParallelHeadsTree(model, heads, Tree.from_widths([1] * (heads - 1)),
-                                    Lookup(lookup, lookup_ngram))
-    elif decoder == "self-spec":
-        drafter = ChainedHeads(model, heads) if model.chained else ParallelHeads(model, heads)
-    elif decoder == "tree":
-        tree = tree or Tree.from_widths([3, 2] + [1] * max(0, model.cfg.n_future - 3))
-        drafter = ChainedHeads(model, heads, tree) if model.chained else \
-            ParallelHeadsTree(model, heads, tree, Lookup(lookup, lookup_ngram) if lookup else None)
-    elif decoder == "draft":
-        drafter = DraftModel(draft_model, gamma)
-    else:
-        drafter = Oracle(reference, gamma)
-    # Room for every position of the window plus the slots a round writes past the last one.
-    extra = drafter.slots_needed
-    max_len = min(window, longest + max_new_tokens) + extra
-    device = next(model.parameters()).device
-    ctx = Context(
-        model=model,
-        cache=new_cache(model, len(prompts), max_len),
-        sampling=Sampling(request.temperature_used, top_k, top_p),
-        stopper=Stopper(len(prompts), max_new_tokens, eot_id, stop, decode, on_tokens),
-        timer=Timer(stats, device),
-        stats=stats,
-        generator=generator,
-        window=window,
-        rows=list(range(len(prompts))),
-    )
-    if isinstance(adaptive, Adaptive):
-        policy = adaptive
-    else:
-        policy = Adaptive() if adaptive else Fixed()
-    with packed_linears(model, draft_model):
-        run(ctx, prompts, drafter, policy)
-    stats.seconds = time.perf_counter() - start
-    return ctx.stopper.out, stats
-
+#: Each public name and the module that defines it.
+_EXPORTS = {
+    "DECODERS": "mtp.decoding.names",
+    "LOOKUP_TOKENS": "mtp.decoding.names",
+    "PHASES": "mtp.decoding.stats",
+    "DecodeRequest": "mtp.decoding.request",
+    "DecodeStats": "mtp.decoding.stats",
+    "RequestError": "mtp.decoding.request",
+    "Sampling": "mtp.decoding.sampling",
+    "Tree": "mtp.decoding.tree",
+    "generate": "mtp.decoding.generation",
+    "head_accuracy": "mtp.decoding.tree",
+    "probs_from_logits": "mtp.decoding.sampling",
+    "sample_from_logits": "mtp.decoding.sampling",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -32,7 +32,7 @@ from mtp.decoding.drafters import Drafter
 from mtp.decoding.engine import Context, Proposal, Verified
 from mtp.decoding.sampling import multinomial
 from mtp.decoding.tree import Tree, TreeTensors
-from mtp.model import MTPTransformer
+from mtp.model.transformer import MTPTransformer
 
 __all__ = ["ChainedHeads"]
 

@@ -40,7 +40,7 @@ from mtp.decoding.engine import (
 from mtp.decoding.sampling import multinomial
 from mtp.decoding.stacked import stacked_heads
 from mtp.decoding.tree import Tree, TreeTensors
-from mtp.model import MTPTransformer
+from mtp.model.transformer import MTPTransformer
 
 __all__ = ["DraftModel", "Drafter", "Oracle", "ParallelHeads", "ParallelHeadsTree"]
 

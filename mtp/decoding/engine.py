@@ -42,7 +42,7 @@ from mtp.decoding.sampling import Sampling
 from mtp.decoding.stats import DecodeStats, Timer
 from mtp.decoding.stopper import Stopper
 from mtp.decoding.tree import TreeTensors
-from mtp.model import KVCache, MTPTransformer
+from mtp.model.transformer import KVCache, MTPTransformer
 
 __all__ = ["Context", "Proposal", "Trunk", "Verified", "forward", "new_cache", "run"]
 

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mtp.config import LOOKUP_TOKENS
 from mtp.decoding.drafters import Drafter
 from mtp.decoding.engine import Context, Proposal
+from mtp.decoding.names import LOOKUP_TOKENS
 
 __all__ = ["Lookup", "LookupChain"]
 

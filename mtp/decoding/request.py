@@ -7,7 +7,7 @@ tokenizers; in `generate`, the prompts too. `check` raises them together as one 
 
 Each problem names the field it is about, and its message calls fields by a name the caller
 chooses: `generate` says `top_k must be >= 1 (got 0)`, and `mtp generate`, which maps each field
-to its flag (`mtp.decode_cli.flag`), says `--top-k must be >= 1 (got 0)` for the same rule.
+to its flag (`mtp.decoding.cli.flag`), says `--top-k must be >= 1 (got 0)` for the same rule.
 """
 
 from __future__ import annotations
@@ -17,18 +17,16 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from mtp.config import DECODERS, LOOKUP_TOKENS, UserError
+from mtp.decoding.names import DECODERS, HEAD_DECODERS, LOOKUP_TOKENS
 from mtp.decoding.tree import Tree
-from mtp.model import MTPTransformer
+from mtp.model.transformer import MTPTransformer
+from mtp.util.errors import UserError
 
-__all__ = ["HEAD_DECODERS", "MEASURING", "DecodeRequest", "Problem", "RequestError", "prose"]
+__all__ = ["MEASURING", "DecodeRequest", "Problem", "RequestError", "prose"]
 
 #: Decoders `generate` takes that are not for use: `oracle` drafts a given reference (the tokens
 #: greedy will emit), an upper bound that measures the loop's own cost.
 MEASURING = ("oracle",)
-
-#: Decoders whose drafts come from heads 2..h.
-HEAD_DECODERS = ("self-spec", "tree")
 
 #: What `generate`'s messages call the fields that are not its arguments.
 _PROSE = {"model": "the model", "prompts": "a prompt"}
@@ -88,7 +86,8 @@ class DecodeRequest:
     max_new_tokens: int = 128
     """The most new tokens per row."""
     decoder: str = "greedy"
-    """`greedy`, `sample`, `self-spec`, `tree`, `draft` or `lookup` (`mtp.config.DECODERS`)."""
+    """`greedy`, `sample`, `self-spec`, `tree`, `draft` or `lookup` (`mtp.decoding.names.DECODERS`).
+    """
     temperature: float | None = None
     """0 or None is greedy for every decoder but `sample`, for which None means 1."""
     top_k: int | None = None

@@ -23,8 +23,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from mtp.layers import RMSNorm
-from mtp.model import KVCache, MTPTransformer
+from mtp.model.layers import RMSNorm
+from mtp.model.transformer import KVCache, MTPTransformer
 
 __all__ = ["StackedHeads", "StackedLinear", "stack_blocks", "stacked_heads"]
 

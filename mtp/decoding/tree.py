@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mtp.model import MTPTransformer
+from mtp.model.transformer import MTPTransformer
 
 __all__ = ["MAX_TREE_NODES", "Tree", "TreeTensors", "head_accuracy"]
 

@@ -1,37 +1,21 @@
-"""Heads-only training on a frozen trunk (`--optim.train heads`, Medusa-1).
+"""Frozen-trunk training (`--optim.train heads`): heads 2..K learn on a trunk that never changes.
 
 With the trunk, head 1, the embedding, the final norm and the unembedding frozen, a training step
 needs of them only what they output for its windows: the trunk output h, and with `--loss.targets
 self` or `greedy` head 1's greedy tokens. `FrozenTrunk` computes both in one forward without a
 graph and keeps them per window (keyed by its tokens), so later epochs read them back instead of
-running the trunk again. `heads_loss` then trains heads 2..K by plain autograd from h: no trunk
-backward, no loss or gradient for the frozen head 1, and the fused linear cross-entropy over each
-head's vocabulary (its draft vocabulary where `--model.draft_vocab` gives one), so no N x V
-logits.
-
-NOTE: FLOPs per training token on SmolLM2-135M at K = 4 (block heads, 4096-token draft
-vocabulary), counting 2 per weight and forward matmul, 6 with the backward: the general step
-(`MTPModule.compute_loss`) costs about 757M: the self-distillation targets' trunk, head 1 and
-full-vocabulary forward (269M), the trunk again (205M), head 1's full-vocabulary loss and
-gradients (177M), heads 2..4 (106M). Here the first epoch costs 269M + 106M and later ones 106M.
+running the trunk again; the `frozen_trunk` path of `mtp.train.loss` then trains heads 2..K from
+h. What this saves per token: docs/design-notes.md, "Frozen-trunk training".
 """
 
 from __future__ import annotations
 
 import torch
 
-from mtp.kernels import linear_cross_entropy
-from mtp.loss import (
-    IGNORE_INDEX,
-    MTPLossOutput,
-    greedy_predictions,
-    mtp_inputs_targets,
-    targets_from_predictions,
-    top1_accuracy,
-)
-from mtp.model import MTPTransformer
+from mtp.model.transformer import MTPTransformer, Rope
+from mtp.train.targets import greedy_predictions, mtp_inputs_targets, targets_from_predictions
 
-__all__ = ["FrozenTrunk", "heads_loss"]
+__all__ = ["FrozenTrunk"]
 
 
 class FrozenTrunk:
@@ -57,16 +41,16 @@ class FrozenTrunk:
         if self.targets == "data":
             inputs, targets = mtp_inputs_targets(window, K)
             return model.trunk(inputs)[0], targets
-        # Head 1's greedy token after each of the first T + K - 1 tokens, as
-        # `mtp.module.self_targets` computes them. The trunk is causal, so its first T outputs
-        # are the heads' inputs.
+        # Head 1's greedy token after each of the first T + K - 1 tokens, as `self_targets`
+        # computes them. The trunk is causal, so its first T outputs are the heads' inputs.
         h, rope = model.trunk(window[:, :-1])  # (B, T + K - 1, d)
         preds = greedy_predictions(model, h, rope)  # (B, T + K - 1)
         return h[:, :T], targets_from_predictions(window, preds, K,
                                                   chain=self.targets == "greedy")
 
-    def __call__(self, window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """h (B, T, d) and targets (K, B, T) of the windows (B, T + K)."""
+    def __call__(self, window: torch.Tensor) -> tuple[torch.Tensor, Rope, torch.Tensor]:
+        """h (B, T, d), the rotary tables of its positions and targets (K, B, T) of the windows
+        (B, T + K): what the `frozen_trunk` path of `mtp.train.loss.heads_loss` reads."""
         keys = [row.numpy().tobytes() for row in window.cpu()]
         missing = [b for b, key in enumerate(keys) if key not in self.entries]
         self.hits += len(keys) - len(missing)
@@ -86,29 +70,5 @@ class FrozenTrunk:
             if self.bytes + size <= self.max_bytes:
                 self.entries[keys[b]] = (h[b].clone(), targets[:, b].clone())
                 self.bytes += size
-        return h, targets
-
-
-def heads_loss(model: MTPTransformer, h: torch.Tensor, targets: torch.Tensor,
-               head_weights: list[float] | None = None, *,
-               with_accuracy: bool = False) -> MTPLossOutput:
-    """The weighted loss of heads 2..K from a frozen trunk's output h (B, T, d), differentiable
-    in the heads' parameters; `head_losses` starts at head 2 (`first` = 1)."""
-    K, T = model.cfg.n_future, h.shape[1]
-    positions = torch.arange(T, device=h.device).expand(h.shape[0], -1)
-    rope = model.rotary(positions)
-    weights = head_weights or [1.0] * K
-    x = model.head_output(0, h, rope) if model.chained else h  # chained heads read head 1's
-    losses, accs, total = [], [], h.new_zeros((), dtype=torch.float32)
-    for i in range(1, K):
-        out = model.head_output(i, x, rope, tokens=targets[i - 1])
-        x = out if model.chained else h
-        z, W = model.head_norm(out).flatten(0, 1), model.head_unembed(i)
-        t = model.head_targets(i, targets[i]).flatten()
-        loss = linear_cross_entropy(z, W, t, ignore_index=IGNORE_INDEX)
-        total = total + weights[i] * loss
-        losses.append(loss.detach())
-        if with_accuracy:
-            accs.append(top1_accuracy(z.detach(), W, t))
-    return MTPLossOutput(total, torch.stack(losses), torch.stack(accs) if accs else None,
-                         first=1)
+        positions = torch.arange(h.shape[1], device=h.device).expand(h.shape[0], -1)
+        return h, self.model.rotary(positions), targets

@@ -1,11 +1,11 @@
 """The multi-token-prediction transformer, in pure PyTorch.
 
-A shared trunk of `n_trunk_layers` blocks feeds K output heads (`mtp.heads`); head i (1-based)
+A shared trunk of `n_trunk_layers` blocks feeds K output heads (`mtp.model.heads`); head i (1-based)
 predicts the token i positions ahead (Gloeckle et al. 2024). All heads share one final RMSNorm
 and one unembedding W (V x d); the norm follows each head, except for `medusa1` heads, which read
 the normalised trunk output (Medusa-1's layout). With K = 1 and block or deepseek heads this is
 exactly a standard next-token transformer of `n_layers + 1` blocks, with medusa1 heads one of
-`n_layers` blocks. The layers are in `mtp.layers`.
+`n_layers` blocks. The layers are in `mtp.model.layers`.
 
 Dimension names: B batch, T new tokens, S cached slots, d width, V vocabulary, K heads,
 H attention heads, Hkv key/value heads, hd head width.
@@ -20,14 +20,16 @@ from typing import TypeVar
 import torch
 from torch import nn
 
-from mtp.config import MODEL_REGISTRY, ModelConfig
-from mtp.heads import CHAINED, PRE_NORM, build_heads, head_cache_layers
-from mtp.layers import Attention, Block, RMSNorm, rope_tables
+from mtp.config import ModelConfig
+from mtp.model.heads import CHAINED, PRE_NORM, build_heads, head_cache_layers
+from mtp.model.layers import Attention, Block, RMSNorm, rope_tables
 
 T_out = TypeVar("T_out")
+#: The rotary tables (cos, sin), each (B, 1, T, hd / 2), that `trunk` returns beside h.
+Rope = tuple[torch.Tensor, torch.Tensor]
 
 __all__ = [
-    "KVCache", "MODEL_REGISTRY", "MTPTransformer", "ModelConfig", "build_model",
+    "KVCache", "MTPTransformer", "Rope", "build_model",
 ]
 
 
@@ -79,20 +81,20 @@ class MTPTransformer(nn.Module):
     Entry points, by what they return, and who calls each:
 
     - `model(idx, heads=n)`: logits (n, B, T, V) of heads 1..n, optionally over a KV cache;
-      scoring and references (`mtp.lmeval`, the head accuracies of `mtp.decoding.tree`, the
-      experiments and the tests).
+      scoring and references (`mtp.interop.lm_eval_model`, the head accuracies of
+      `mtp.decoding.tree`, the experiments and the tests).
     - `model(idx, heads_fn=fn)`: `fn(h, rope)` of the trunk output h, inside the model's
-      forward, so FSDP's root unit (`mtp.parallel`) gathers the embedding, final norm and
-      unembedding for it. Every loss and metric of `mtp.loss` runs its heads this way
+      forward, so FSDP's root unit (`mtp.train.parallel`) gathers the embedding, final norm and
+      unembedding for it. Every loss and metric of `mtp.train.loss` runs its heads this way
       (`naive_mtp_loss`, `sequential_mtp_loss`, `head_metrics`, `simulated_acceptance`), and
-      so do the self-distillation targets (`mtp.module.self_targets`).
+      so do the self-distillation targets (`mtp.train.targets.self_targets`).
     - `trunk`: the trunk output h (B, T, d) and the rotary tables; the decode loop's cached
       forward (`mtp.decoding.engine`) and the frozen trunk of heads-only training
-      (`mtp.frozen`).
+      (`mtp.train.frozen_trunk`).
     - `head_output`: one head's output (B, T, d) (`head_norm` of it is the head's normalised
-      state); for callers that run a head on its own: in `mtp.loss`,
+      state); for callers that run a head on its own: in `mtp.train.loss`,
       `sequential_mtp_loss` (one head at a time, an FSDP head gathered) and
-      `greedy_predictions`; `mtp.frozen.heads_loss`; in `mtp.decoding`, head 1 of every
+      `greedy_predictions`; `mtp.train.frozen_trunk.heads_loss`; in `mtp.decoding`, head 1 of every
       forward and the chained-heads drafter, which feeds each output to the next head.
     - `head_states`: every head's normalised hidden state (B, T, d) in turn, chained heads fed
       on one another; the logits of `forward`, `naive_mtp_loss`, `head_metrics` and
@@ -271,7 +273,7 @@ class MTPTransformer(nn.Module):
     ) -> Iterator[torch.Tensor]:
         """Normalised hidden states (B, T, d) of heads 0..heads-1 in order, from the trunk output
         h (B, T, d); chained heads read one another and head i reads tokens[i - 1], e.g. the
-        targets (K, B, T) of `mtp.loss.mtp_inputs_targets`. `cache`, `slots` and `mask` are
+        targets (K, B, T) of `mtp.train.targets.mtp_inputs_targets`. `cache`, `slots` and `mask` are
         `head_output`'s."""
         x = h
         for i in range(self.cfg.n_future if heads is None else heads):
@@ -302,7 +304,7 @@ class MTPTransformer(nn.Module):
         chained heads gives head 1 only (`mtp.decoding` drafts with the others).
 
         With `heads_fn`, return `heads_fn(h, rope)` of the trunk output h (B, T, d) instead of
-        logits (`heads` is then unused): the losses and metrics of `mtp.loss` run the heads
+        logits (`heads` is then unused): the losses and metrics of `mtp.train.loss` run the heads
         themselves, and doing so inside this call lets a wrapper that hooks the model's forward
         (FSDP's root unit) see one forward of the whole model.
         """

@@ -5,9 +5,9 @@ device mesh is all data parallel (Lightning's own `fsdp` string is FSDP1, which 
 accelerator). `MTPModule.configure_model` calls `shard_model` on that mesh.
 
 Why FSDP2 through `ModelParallelStrategy`: FSDP2 shards parameters as DTensors per module, so a
-head can be its own sharded unit like a trunk block. The sequential head pass
-(`mtp.loss.sequential_heads_loss`) runs every head's forward and backward inside one autograd
-node, which FSDP's module hooks cannot follow; it gathers each head itself for its turn
+head can be its own sharded unit like a trunk block. The sequential path of the heads' loss
+(`mtp.train.loss`) runs every head's forward and backward inside one autograd node, which FSDP's
+module hooks cannot follow; it gathers each head itself for its turn
 (`FSDPModule.unshard`), reduce-scatters the head's gradients to their shards (a DTensor
 redistribution from partial sums, averaged as FSDP averages), and frees it again (`reshard`), so
 one head at a time is whole. The embedding, the shared final norm and the unembedding form the
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 
-from mtp.model import MTPTransformer
+from mtp.model.transformer import MTPTransformer
 
 
 def shard_model(model: MTPTransformer, mesh, *, param_dtype: torch.dtype | None = None) -> None:
@@ -81,9 +81,9 @@ def full_model(model: MTPTransformer) -> MTPTransformer | None:
 class FSDPStrategy(ModelParallelStrategy):
     """FSDP2 over every process (no tensor parallelism), saving full (unsharded) checkpoints.
 
-    Full checkpoints are ordinary Lightning checkpoint files: `mtp.checkpoint.load_checkpoint`,
-    `mtp generate` and `mtp eval` read them as they read single-process ones, and a run resumes
-    from them under any strategy.
+    Full checkpoints are ordinary Lightning checkpoint files:
+    `mtp.model.checkpoint.load_checkpoint`, `mtp generate` and `mtp eval` read them as they read
+    single-process ones, and a run resumes from them under any strategy.
     """
 
     strategy_name = "fsdp"
@@ -100,7 +100,7 @@ class FSDPStrategy(ModelParallelStrategy):
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict:
         # The model's config is checked before the weights are loaded: a checkpoint of another
         # config would otherwise fail inside the state-dict loading, on a tensor shape.
-        from mtp.checkpoint import check_checkpoint_config, check_tensor_digests
+        from mtp.model.checkpoint import check_checkpoint_config, check_tensor_digests
 
         path = Path(checkpoint_path)
         if path.is_file():

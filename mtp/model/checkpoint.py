@@ -1,4 +1,4 @@
-"""Reading and writing mtp checkpoints without Lightning.
+"""Reading and writing mtp checkpoints without Lightning, and reading mtp's export directories.
 
 A checkpoint is a Lightning checkpoint whose `state_dict` holds the model under the `model.`
 prefix and whose `mtp` entry carries what inference needs: the model config and the tokenizer
@@ -6,26 +6,37 @@ prefix and whose `mtp` entry carries what inference needs: the model config and 
 each tensor of `state_dict`, checked on load, since torch checks no checksum of its zip members
 (bytes flipped inside a tensor would otherwise load, and decode, silently). A checkpoint
 written before the digests loads unchecked.
+
+An export directory (`mtp export hf`, written by `mtp.interop.hf_export`) holds the same model
+in transformers' Llama layout plus mtp's own files; `load_checkpoint` reads either, so `--ckpt`
+takes both everywhere.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
 
-from mtp.atomic import atomic_write
-from mtp.config import ConfigError, InputError, MissingInput, ModelConfig
-from mtp.digests import DIGESTS, digest_mismatch, tensor_digests
-from mtp.model import MTPTransformer
-from mtp.vocab import check_vocab
+from mtp.config import ModelConfig
+from mtp.model.llama_layout import check_llama_layout, layer_from_llama, llama_layers
+from mtp.model.transformer import MTPTransformer
+from mtp.model.vocab import check_vocab
+from mtp.util.atomic import atomic_write
+from mtp.util.digests import DIGESTS, digest_mismatch, tensor_digests
+from mtp.util.errors import ConfigError, ExportError, InputError, MissingInput
 
 #: The default end-of-text token (`ModelConfig.eot_token`), which mtp's own tokenizers hold.
 EOT_TOKEN = ModelConfig.eot_token
 STATE_PREFIX = "model."
+#: The files of an export directory that are mtp's own (`mtp.interop.hf_export`).
+MTP_CONFIG = "mtp_config.json"
+MTP_HEADS = "mtp_heads.safetensors"
+FORMAT_VERSION = 1
 
 
 def mtp_metadata(cfg: ModelConfig, tokenizer: Tokenizer) -> dict:
@@ -47,7 +58,7 @@ def check_tensor_digests(ckpt: dict, path: str | os.PathLike) -> None:
 def save_checkpoint(path: str | os.PathLike, model: MTPTransformer, tokenizer: Tokenizer) -> None:
     """Write a minimal checkpoint (weights, config, tokenizer) readable by `load_checkpoint`.
 
-    Written atomically (`mtp.atomic`), so an interrupted save never corrupts `path`.
+    Written atomically (`mtp.util.atomic`), so an interrupted save never corrupts `path`.
     """
     state = {STATE_PREFIX + k: v for k, v in model.state_dict().items()}
     meta = {**mtp_metadata(model.cfg, tokenizer), DIGESTS: tensor_digests(state)}
@@ -65,8 +76,6 @@ def read_checkpoint(path: str | os.PathLike, *, mmap: bool = False) -> dict:
     """
     path = Path(path)
     if path.is_dir():
-        from mtp.hf import MTP_CONFIG, is_export
-
         if is_export(path):
             raise InputError(f"{path} is an export directory (`mtp export hf`): its weights "
                              "generate and evaluate, but it holds no optimiser state or step "
@@ -90,11 +99,9 @@ def load_checkpoint(
     path: str | os.PathLike, *, device: str | torch.device = "cpu"
 ) -> tuple[MTPTransformer, Tokenizer]:
     """The model (in eval mode, on `device`) and tokenizer stored in a checkpoint, or in a
-    directory written by `mtp export hf` (`mtp.hf.load_export`)."""
+    directory written by `mtp export hf` (`mtp.model.checkpoint.load_export`)."""
     path = Path(path)
     if path.is_dir():
-        from mtp.hf import ExportError, load_export
-
         try:
             model, tokenizer = load_export(path)
         except ExportError as err:  # names the directory: a user's input, not a bug
@@ -121,3 +128,77 @@ def check_checkpoint_config(checkpoint: dict, model_cfg: ModelConfig) -> None:
     if differ:
         raise ConfigError("the checkpoint was trained with another model config: "
                          + ", ".join(differ))
+
+
+def is_export(path: str | os.PathLike) -> bool:
+    """Whether `path` is a directory written by `mtp export hf` (`mtp.interop.hf_export`)."""
+    return (Path(path) / MTP_CONFIG).is_file()
+
+
+def load_export(path: str | os.PathLike) -> tuple[MTPTransformer, Tokenizer]:
+    """Rebuild the model (every head) and tokenizer of an exported directory, in eval mode.
+
+    Raises:
+        ExportError: If the directory is not an mtp export, or one of its files is missing,
+            unreadable or does not fit the others (the message names the file).
+    """
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not is_export(path):
+        raise ExportError(f"{path} is not an mtp export (no {MTP_CONFIG}; `mtp export hf` writes "
+                          f"one)")
+    # Each file a user may have deleted or edited is named with what is wrong with it.
+    try:
+        meta = json.loads((path / MTP_CONFIG).read_text())
+        version = meta.get("format_version")
+        cfg = ModelConfig(**meta["model_config"]) if version == FORMAT_VERSION else None
+    except (ValueError, TypeError, KeyError, AttributeError) as err:  # a ConfigError included
+        raise ExportError(f"{path / MTP_CONFIG} does not hold an mtp model config: "
+                          f"{type(err).__name__}: {err}") from None
+    if cfg is None:
+        raise ExportError(f"{path / MTP_CONFIG}: format_version {version!r}, this mtp reads "
+                          f"{FORMAT_VERSION}")
+    check_llama_layout(cfg)
+    weights = {}
+    for name in ("model.safetensors", MTP_HEADS):
+        if name == MTP_HEADS and not (path / name).is_file():
+            weights[name] = {}  # K = 1 has no other heads (a deleted file fails the digests)
+            continue
+        try:
+            weights[name] = load_file(path / name)
+        except Exception as err:  # safetensors raises its own error, or an OSError
+            raise ExportError(f"{path / name} cannot be read: {type(err).__name__}: "
+                              f"{err}") from None
+    llama, heads = weights["model.safetensors"], weights[MTP_HEADS]
+    # An export written before the digests loads unchecked.
+    for name, tensors in (("model.safetensors", llama), (MTP_HEADS, heads)):
+        want = meta.get(DIGESTS, {}).get(name)
+        problem = want is not None and digest_mismatch(want, tensors, path / name)
+        if problem:
+            raise ExportError(problem)
+    state = {"embed.weight": llama["model.embed_tokens.weight"],
+             "norm.weight": llama["model.norm.weight"],
+             "unembed.weight": llama.get("lm_head.weight", llama["model.embed_tokens.weight"])}
+    for i in range(llama_layers(cfg)):
+        into = f"blocks.{i}" if i < cfg.n_trunk_layers else "heads.0"
+        layer = layer_from_llama(llama, cfg, f"model.layers.{i}")
+        state.update({f"{into}.{k}": v for k, v in layer.items()})
+    state.update(heads)
+    model = MTPTransformer(cfg)
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as err:  # a tensor of another shape than the config gives
+        first = [line.strip() for line in str(err).splitlines()[1:] if line.strip()][:1]
+        raise ExportError(f"{path}: the weights do not fit the model config of {MTP_CONFIG} "
+                          f"({'; '.join(first) or err})") from None
+    if missing or unexpected:
+        raise ExportError(f"{path}: weights do not fit the config (missing {missing[:4]}, "
+                          f"unexpected {unexpected[:4]})")
+    try:
+        tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+    except Exception as err:  # tokenizers raises a bare Exception, missing file or bad JSON
+        raise ExportError(f"{path / 'tokenizer.json'} is not a readable tokenizer: "
+                          f"{err}") from None
+    check_vocab(tokenizer, cfg, source=str(path))
+    return model.eval(), tokenizer

@@ -90,16 +90,16 @@ def requests(root: Path, n: int, seed: int, style: str = "write") -> list[str]:
 
 def _load(model_arg: str, max_seq_len: int):
     """An mtp checkpoint or export, or a pretrained model (`--model.init_from`'s forms)."""
-    from mtp.checkpoint import load_checkpoint
     from mtp.config import ModelConfig
     from mtp.data.bpe import load_tokenizer
-    from mtp.hf import is_export, pretrained_config, pretrained_tokenizer, resolve_pretrained
-    from mtp.model import build_model
+    from mtp.interop.hf_import import pretrained_config, pretrained_tokenizer, resolve_pretrained
+    from mtp.model.checkpoint import is_export, load_checkpoint
+    from mtp.model.transformer import build_model
 
     path = resolve_pretrained(model_arg)
     if path.suffix in (".ckpt", ".pt") or is_export(path):
         return load_checkpoint(path)
-    from mtp.hf import init_from_pretrained
+    from mtp.interop.hf_import import init_from_pretrained
 
     cfg = pretrained_config(path, ModelConfig(n_future=1, max_seq_len=max_seq_len))
     model = build_model(cfg)
@@ -152,11 +152,11 @@ def main(argv: list[str]) -> int:
 
     import torch
 
-    from mtp.atomic import lock
-    from mtp.decoding import generate
+    from mtp.decoding.generation import generate
     from mtp.eval.chat import ChatTemplate
-    from mtp.hf import ExportError
-    from mtp.vocab import eot_id
+    from mtp.model.vocab import eot_id
+    from mtp.util.atomic import lock
+    from mtp.util.errors import ExportError
 
     if args.threads:
         torch.set_num_threads(args.threads)

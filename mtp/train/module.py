@@ -3,28 +3,26 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
-from mtp.checkpoint import check_checkpoint_config, check_tensor_digests
-from mtp.config import CompileConfig, ConfigError, LossConfig, ModelConfig, OptimConfig
-from mtp.digests import DIGESTS, tensor_digests
-from mtp.frozen import FrozenTrunk, heads_loss
-from mtp.loss import (
-    MTPLossOutput,
-    greedy_predictions,
-    head_metrics,
-    mtp_inputs_targets,
+from mtp.config import CompileConfig, LossConfig, ModelConfig, OptimConfig
+from mtp.model.checkpoint import check_checkpoint_config, check_tensor_digests
+from mtp.model.transformer import MTPTransformer, build_model
+from mtp.train.frozen_trunk import FrozenTrunk
+from mtp.train.loss import (
+    HeadsLoss,
+    heads_loss,
     mtp_loss,
     scheduled_head_weights,
     simulated_acceptance,
-    targets_from_predictions,
 )
-from mtp.model import MTPTransformer, build_model
+from mtp.train.targets import mtp_inputs_targets, self_targets
+from mtp.util.digests import DIGESTS, tensor_digests
+from mtp.util.errors import ConfigError
 
 
 class MTPModule(L.LightningModule):
@@ -41,14 +39,14 @@ class MTPModule(L.LightningModule):
                                    "compile": dataclasses.asdict(compile)})
         self.model_cfg, self.optim_cfg, self.loss_cfg = model, optim, loss
         self.model: MTPTransformer = build_model(model)
-        if model.init_from is not None:  # config from `mtp.hf.pretrained_config`
-            from mtp.hf import init_from_pretrained
+        if model.init_from is not None:  # config from `mtp.interop.hf_import.pretrained_config`
+            from mtp.interop.hf_import import init_from_pretrained
 
             init_from_pretrained(self.model)
         if compile.enabled:
             compile_blocks(self.model, compile.mode)
         self.flops_per_batch: float | None = None  # read by Lightning's ThroughputMonitor
-        self.trunk_cache: FrozenTrunk | None = None  # `--optim.train heads` (`mtp.frozen`)
+        self.trunk_cache: FrozenTrunk | None = None  # see `frozen_trunk`
 
     # -- the step --------------------------------------------------------------------------
     def inputs_targets(self, window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,49 +57,42 @@ class MTPModule(L.LightningModule):
             targets = self_targets(self.model, window, chain=self.loss_cfg.targets == "greedy")
         return inputs, targets
 
-    def compute_loss(self, window: torch.Tensor, *, with_accuracy: bool = True,
-                     head_weights: list[float] | None = None) -> MTPLossOutput:
-        """The training loss of windows (B, T + K) by `--loss.strategy`, with gradients, with
-        `head_weights` (default `--loss.head_weights`)."""
-        inputs, targets = self.inputs_targets(window)
-        weights = self.loss_cfg.head_weights if head_weights is None else head_weights
-        return mtp_loss(self.model, inputs, targets, weights, strategy=self.loss_cfg.strategy,
-                        with_accuracy=with_accuracy)
-
-    def heads_only_loss(self, window: torch.Tensor, *, with_accuracy: bool = True,
-                        head_weights: list[float] | None = None) -> MTPLossOutput:
-        """`--optim.train heads`: the loss of heads 2..K from the frozen trunk's output of the
-        windows (B, T + K), computed once per window and kept (`mtp.frozen`)."""
+    def frozen_trunk(self) -> FrozenTrunk | None:
+        """The cache of the frozen trunk's outputs under `--optim.train heads`, None otherwise.
+        Sharded runs recompute the trunk: FSDP gathers the root unit (embedding, norm,
+        unembedding) only in the model's own forward, which the cache does not call."""
+        if self.optim_cfg.train != "heads" or self.device_mesh is not None:
+            return None
         if self.trunk_cache is None:
             self.trunk_cache = FrozenTrunk(self.model, targets=self.loss_cfg.targets,
                                            max_bytes=self.optim_cfg.trunk_cache_mb << 20)
-        h, targets = self.trunk_cache(window)
-        weights = self.loss_cfg.head_weights if head_weights is None else head_weights
-        return heads_loss(self.model, h, targets, weights, with_accuracy=with_accuracy)
-
-    def _log_heads(self, stage: str, out: MTPLossOutput, **kw) -> None:
-        first = out.first + 1
-        metrics = {f"{stage}/loss_head{i}": v for i, v in enumerate(out.head_losses, first)}
-        if out.head_accuracies is not None:
-            metrics |= {f"{stage}/acc_head{i}": v
-                        for i, v in enumerate(out.head_accuracies, first)}
-        self.log_dict(metrics, **kw)
+        return self.trunk_cache
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        """Trunk forward, the heads' losses, and (Lightning, on the returned loss) the backward.
+
+        The `sequential` path runs each head's backward inside the forward (`mtp.train.loss`),
+        so the backward of the returned loss is the trunk's; the `naive` path leaves the heads'
+        backward to it too. Frozen-trunk training reads the trunk's output back instead of
+        running it, and has no trunk backward.
+        """
         if self.flops_per_batch is None:
             T = batch.shape[1] - self.model_cfg.n_future
             self.flops_per_batch = self.model.flops_per_token(T) * batch.shape[0] * T
-        # accuracy costs the sequential pass an extra matmul per head: only on the steps Lightning
-        # writes to the logger ((steps so far + 1) % log_every_n_steps == 0), so no stale value
-        # from an earlier step is written under a later one
         weights = scheduled_head_weights(self.loss_cfg, self.model_cfg.n_future,
                                          self.global_step)
-        # FSDP gathers the root's parameters (embedding, norm, unembedding) in the model's own
-        # forward, which the heads-only path does not call: sharded runs take the general step
-        frozen = self.optim_cfg.train == "heads" and self.device_mesh is None
-        step = self.heads_only_loss if frozen else self.compute_loss
-        out = step(batch, with_accuracy=(self.global_step + 1) % self.trainer.log_every_n_steps
-                   == 0, head_weights=weights)
+        # accuracy costs the sequential path a matmul per head: only on the steps Lightning
+        # writes to the logger, so no stale value from an earlier step is written under a later
+        with_accuracy = (self.global_step + 1) % self.trainer.log_every_n_steps == 0
+        if (frozen := self.frozen_trunk()) is not None:
+            h, rope, targets = frozen(batch)
+            out = heads_loss(self.model, h, rope, targets, weights, path="frozen_trunk",
+                             with_accuracy=with_accuracy)
+        else:
+            # the trunk and the heads in one forward of the model: FSDP gathers its root unit
+            # there and only there (`MTPTransformer.forward`, `heads_fn`)
+            out = mtp_loss(self.model, *self.inputs_targets(batch), weights,
+                           path=self.loss_cfg.strategy, with_accuracy=with_accuracy)
         self.log("train/loss", out.loss, prog_bar=True)
         if self.loss_cfg.schedule != "constant":
             self.log_dict({f"train/head_weight{i + 1}": w for i, w in enumerate(weights)})
@@ -110,18 +101,28 @@ class MTPModule(L.LightningModule):
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         # per-head loss and accuracy without gradients, chunked over the vocabulary whatever
-        # --loss.strategy trains with
-        out = head_metrics(self.model, *self.inputs_targets(batch), self.loss_cfg.head_weights)
+        # path trains
+        out = mtp_loss(self.model, *self.inputs_targets(batch), self.loss_cfg.head_weights,
+                       path="metrics")
         self.log("val/loss", out.loss, sync_dist=True)
         # head 1 is the next-token loss, the number comparable across K and with other models
         self.log("val/next_token_loss", out.head_losses[0], prog_bar=True, sync_dist=True)
         self._log_heads("val", out, sync_dist=True)
         if self.model_cfg.n_future > 1:
-            # what the heads are worth for decoding, read without decoding (mtp.loss)
+            # what the heads are worth for decoding, read without decoding
             rates = simulated_acceptance(self.model, batch)
             self.log_dict({f"val/sim_accept_draft{d}": r for d, r in enumerate(rates, 1)},
                           sync_dist=True)
             self.log("val/sim_tokens_per_forward", 1 + rates.sum(), sync_dist=True)
+
+    def _log_heads(self, stage: str, out: HeadsLoss, **kw) -> None:
+        """Each head's loss and accuracy, keyed by its 1-based name (`loss_head1` is head
+        index 0's)."""
+        names = range(out.first + 1, out.first + 1 + len(out.head_losses))
+        metrics = {f"{stage}/loss_head{n}": v for n, v in zip(names, out.head_losses)}
+        if out.head_accuracies is not None:
+            metrics |= {f"{stage}/acc_head{n}": v for n, v in zip(names, out.head_accuracies)}
+        self.log_dict(metrics, **kw)
 
     def setup(self, stage: str) -> None:
         """The draft vocabulary (`--model.draft_vocab`): the most frequent tokens of the
@@ -133,12 +134,12 @@ class MTPModule(L.LightningModule):
 
     def configure_model(self) -> None:
         """Shard the model with FSDP2 when the strategy provides a device mesh (`--trainer.strategy
-        fsdp`, see `mtp.parallel`); under any other strategy this does nothing."""
+        fsdp`, see `mtp.train.parallel`); under any other strategy this does nothing."""
         if self.device_mesh is None:
             return
         from torch.distributed.tensor import DTensor
 
-        from mtp.parallel import shard_model
+        from mtp.train.parallel import shard_model
 
         if isinstance(self.model.embed.weight, DTensor):  # sharded already (a second fit)
             return
@@ -223,7 +224,7 @@ class MTPModule(L.LightningModule):
 
 class TokenizerInCheckpoint(L.Callback):
     """Writes the tokenizer of `datamodule` into every checkpoint, beside the model config that
-    `MTPModule` writes, so that a checkpoint alone can generate (`mtp.checkpoint`); a resume
+    `MTPModule` writes, so that a checkpoint alone can generate (`mtp.model.checkpoint`); a resume
     from a checkpoint made with another tokenizer is refused. `mtp fit` adds it; the module
     itself knows no tokenizer."""
 
@@ -242,26 +243,6 @@ class TokenizerInCheckpoint(L.Callback):
                 f"{ours.get_vocab_size()}); resume with the same --data.source and "
                 "--data.tokenizer"
             )
-
-
-@torch.no_grad()
-def self_targets(model: MTPTransformer, window: torch.Tensor, chunk: int = 4096, *,
-                 chain: bool = False) -> torch.Tensor:
-    """The targets of `--loss.targets self` (or `greedy`, with `chain`): (K, B, T) from the
-    model's own greedy predictions (`mtp.loss.targets_from_predictions`), head 1's argmax after
-    each of the window's first T + K - 1 tokens.
-
-    Head 1's argmax (`mtp.loss.greedy_predictions`) runs over at most `chunk` positions at a
-    time; it runs through the model's forward, so FSDP gathers what it needs.
-    """
-    was_training = model.training
-    model.eval()
-    try:
-        preds = model(window[:, :-1], heads_fn=functools.partial(greedy_predictions, model,
-                                                                 chunk=chunk))
-    finally:
-        model.train(was_training)
-    return targets_from_predictions(window, preds, model.cfg.n_future, chain=chain)
 
 
 def compile_blocks(model: MTPTransformer, mode: str = "default") -> None:

@@ -1,12 +1,13 @@
 """The tokenizer's side of a model: the id of its end-of-text token, and the check that every id
-the tokenizer can produce has a row in the model's embedding. `mtp.checkpoint` and `mtp.hf`
-both apply it to what they read."""
+the tokenizer can produce has a row in the model's embedding. `mtp.model.checkpoint` and
+`mtp.interop.hf_export` both apply it to what they read."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from mtp.config import InputError, ModelConfig
+from mtp.config import ModelConfig
+from mtp.util.errors import InputError
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer

@@ -1,10 +1,10 @@
 """Files that are either whole or absent: every write mtp keeps goes through here.
 
-A write goes to a fresh temporary file beside its target, which is flushed and fsynced, renamed
-onto the target, and the directory fsynced (a rename is durable only once its directory is).
-A crash, a full disk or a signal at any point leaves the old file, or no file, never half of
-one; the temporary file is removed where the process lives to do it (`mtp.fault` removes those a
-`kill -9` left). `rename` is the one rename of the code base: moves go through it too.
+A write goes to a fresh temporary file beside its target, which is flushed and fsynced, renamed onto
+the target, and the directory fsynced (a rename is durable only once its directory is). A crash, a
+full disk or a signal at any point leaves the old file, or no file, never half of one; the temporary
+file is removed where the process lives to do it (`mtp.train.fault` removes those a `kill -9` left).
+`rename` is the one rename of the code base: moves go through it too.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def _temporary(path: Path, prefix: str | None) -> Iterator[tuple[int, Path]]:
     try:
         os.fchmod(fd, 0o666 & ~_UMASK)
         yield fd, Path(tmp)
-    except BaseException:  # a full disk, or a SIGINT / SIGTERM (`mtp.fault.Stopped`)
+    except BaseException:  # a full disk, or a SIGINT / SIGTERM (`mtp.train.fault.Stopped`)
         with suppress(OSError):
             os.unlink(tmp)
         raise
@@ -86,7 +86,7 @@ def atomic_file(path: str | os.PathLike, mode: str = "wb", *,
                 prefix: str | None = None) -> Iterator[IO]:
     """Open a temporary file to write `path`'s new content into; when the block ends cleanly it
     becomes `path`. The file stays open until the rename, so a lock taken on it covers the
-    temporary file's whole life (`mtp.fault` relies on this)."""
+    temporary file's whole life (`mtp.train.fault` relies on this)."""
     path = Path(path)
     with _temporary(path, prefix) as (fd, tmp), os.fdopen(fd, mode) as f:
         yield f

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mtp.config import DECODERS, LOOKUP_TOKENS
+from mtp.decoding.names import DECODERS, LOOKUP_TOKENS
 
 # --------------------------------------------------------------------------------------------
 # Arguments shared by both commands: flags map to a `mtp.decoding.DecodeRequest`, which checks them
@@ -65,7 +65,7 @@ def decoding_args(p: argparse.ArgumentParser) -> None:
 def decode_request(args: argparse.Namespace, **fields):
     """The decoding flags as a `mtp.decoding.DecodeRequest`; `fields` give the rest (the
     decoder, heads, tree) or override a flag."""
-    from mtp.decoding import DecodeRequest
+    from mtp.decoding.request import DecodeRequest
 
     flags = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                  top_k=args.top_k, top_p=args.top_p, gamma=args.gamma, lookup=args.lookup,
@@ -78,7 +78,7 @@ def check_args(args: argparse.Namespace):
     (None where it is refused) and the problems of `--tree`, `--threads` and `--device`."""
     import torch
 
-    from mtp.decoding import Tree
+    from mtp.decoding.tree import Tree
 
     problems = []
     if args.threads is not None and args.threads < 1:
@@ -122,7 +122,7 @@ def load(p: argparse.ArgumentParser, args: argparse.Namespace, draft: bool):
     its tokenizer (else None, None); a checkpoint that does not load names its flag."""
     import torch
 
-    from mtp.checkpoint import load_checkpoint
+    from mtp.model.checkpoint import load_checkpoint
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -241,8 +241,8 @@ def generate_main(argv: list[str]) -> int:
                                tokenizer=tokenizer, draft_tokenizer=draft_tokenizer))
     import torch
 
-    from mtp.decoding import generate
-    from mtp.vocab import eot_id
+    from mtp.decoding.generation import generate
+    from mtp.model.vocab import eot_id
 
     decode = text_decoder(tokenizer)
     show = args.show_drafts

@@ -1,11 +1,11 @@
 """`mtp fit --help` and `mtp validate --help` without importing torch or Lightning.
 
-LightningCLI builds its help from the signatures of `Trainer` and mtp's config classes, which
-takes seconds: it imports torch and Lightning and inspects every class. The help of each command
-is kept in `mtp/fit_help/<command>.txt`, written by `python -m mtp.fit_help`, and printed from
-there when the installed Lightning and jsonargparse are the versions it was written with;
-otherwise LightningCLI answers. A test writes the text afresh and fails when the stored copy
-differs, so it cannot drift from the code.
+LightningCLI builds its help from the signatures of `Trainer` and mtp's config classes, which takes
+seconds: it imports torch and Lightning and inspects every class. The help of each command is kept
+in `mtp/train/fit_help/<command>.txt`, written by `python -m mtp.train.fit_help`, and printed from
+there when the installed Lightning and jsonargparse are the versions it was written with; otherwise
+LightningCLI answers. A test writes the text afresh and fails when the stored copy differs, so it
+cannot drift from the code.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def stored_help(command: str) -> str | None:
 
 def live_help(command: str) -> str:
     """LightningCLI's help of `command`, wrapped at `COLUMNS`."""
-    from mtp.fit_cli import fit_main
+    from mtp.train.cli import fit_main
 
     before = os.environ.get("COLUMNS")
     os.environ["COLUMNS"] = str(COLUMNS)

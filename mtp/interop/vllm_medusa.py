@@ -22,7 +22,7 @@ so **vLLM head j is mtp head j + 2** (mtp's head i, 1-based, predicts token t + 
 is the target model's own next-token output, which vLLM computes from the target: `mtp export
 hf` of the same checkpoint, or the pretrained model itself when only the heads were trained.
 
-The `medusa1` head type (`mtp.heads`) is this computation exactly: a residual block with bias
+The `medusa1` head type (`mtp.model.heads`) is this computation exactly: a residual block with bias
 on the normalised trunk output, no norm after it, the shared unembedding (its draft-vocabulary
 rows where there is one). Every other head type is refused, with the reason.
 """
@@ -35,8 +35,9 @@ from pathlib import Path
 
 import torch
 
-from mtp.hf import ExportError, new_directory
-from mtp.model import MTPTransformer
+from mtp.interop.hf_export import new_directory
+from mtp.model.transformer import MTPTransformer
+from mtp.util.errors import ExportError
 
 __all__ = ["WEIGHTS", "export", "medusa_config"]
 

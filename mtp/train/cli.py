@@ -23,21 +23,14 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, Th
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_only
 
-from mtp.config import (
-    CompileConfig,
-    ConfigError,
-    DataConfig,
-    LossConfig,
-    ModelConfig,
-    OptimConfig,
-    RunConfig,
-    read_yaml_mapping,
-)
+from mtp.config import CompileConfig, DataConfig, LossConfig, ModelConfig, OptimConfig, RunConfig
 from mtp.data import MTPDataModule, build_datamodule, unigram_entropy
-from mtp.fault import LAST, AtomicCheckpointIO, Interruptible, Stopped
-from mtp.loglines import StepLines
-from mtp.module import MTPModule, TokenizerInCheckpoint
-from mtp.vocab import eot_id
+from mtp.model.vocab import eot_id
+from mtp.train.fault import LAST, AtomicCheckpointIO, Interruptible, Stopped
+from mtp.train.log_lines import StepLines
+from mtp.train.module import MTPModule, TokenizerInCheckpoint
+from mtp.util.errors import ConfigError
+from mtp.util.yaml_file import read_yaml_mapping
 
 #: Trainer settings of the CPU default run (configs/cpu.yaml spells out the same values).
 TRAINER_DEFAULTS = {
@@ -80,7 +73,7 @@ def run_config(namespace) -> RunConfig:
 def default_callbacks(n_future: int, *, checkpoints: bool = True, logger: bool = True) -> list:
     """Checkpoints (the best next-token loss, and ``last.ckpt`` at every validation whether or
     not the loss improved), learning rate, tokens per second and MFU,
-    and plain progress lines where no progress bar is drawn on a terminal (`mtp.loglines`);
+    and plain progress lines where no progress bar is drawn on a terminal (`mtp.train.log_lines`);
     without checkpointing (`--trainer.enable_checkpointing false`) no checkpoints, and without
     a logger (`--trainer.logger false`) nothing that only logs.
 
@@ -105,7 +98,7 @@ def default_callbacks(n_future: int, *, checkpoints: bool = True, logger: bool =
 class MTPCLI(LightningCLI):
     """LightningCLI whose groups are mtp's config dataclasses rather than class signatures;
     its trainer saves checkpoints atomically and stops cleanly on SIGINT / SIGTERM
-    (`mtp.fault`)."""
+    (`mtp.train.fault`)."""
 
     def __init__(self, *args, interrupt: Interruptible, ckpt_path: str | None,
                  **kwargs) -> None:
@@ -124,7 +117,8 @@ class MTPCLI(LightningCLI):
         c = self.config_init[self.subcommand] if self.subcommand else self.config_init
         model, data = c.model, c.data
         if model.init_from is not None:  # the pretrained model's shape and tokenizer
-            from mtp.hf import ExportError, pretrained_config, pretrained_tokenizer
+            from mtp.interop.hf_import import pretrained_config, pretrained_tokenizer
+            from mtp.util.errors import ExportError
 
             try:
                 model = pretrained_config(model.init_from, model)
@@ -149,8 +143,8 @@ class MTPCLI(LightningCLI):
             run.model.n_future, checkpoints=c.trainer.enable_checkpointing is not False,
             logger=c.trainer.logger not in (False, None)), TokenizerInCheckpoint(self.datamodule),
             self.interrupt]}
-        if c.trainer.strategy == "fsdp":  # FSDP2 on CPU and GPU alike (mtp.parallel)
-            from mtp.parallel import FSDPStrategy
+        if c.trainer.strategy == "fsdp":  # FSDP2 on CPU and GPU alike (mtp.train.parallel)
+            from mtp.train.parallel import FSDPStrategy
 
             c.trainer.strategy = FSDPStrategy()
         self.trainer = self.instantiate_trainer()
@@ -160,7 +154,7 @@ class MTPCLI(LightningCLI):
         self.trainer.ckpt_path = self.ckpt_path
 
     def after_fit(self) -> None:
-        from mtp.parallel import full_model
+        from mtp.train.parallel import full_model
 
         if self.interrupt.requested is not None:
             return  # `fit_main` says where the run was saved
@@ -191,7 +185,7 @@ def _check_max_steps(max_steps: int | None, optim: OptimConfig) -> None:
 def _check_resume_checkpoint(path: Path, model: ModelConfig) -> None:
     """Before any data is read: `--ckpt_path` must be an intact mtp checkpoint of this model
     config."""
-    from mtp.checkpoint import check_checkpoint_config, check_tensor_digests, read_checkpoint
+    from mtp.model.checkpoint import check_checkpoint_config, check_tensor_digests, read_checkpoint
 
     try:
         ckpt = read_checkpoint(path, mmap=True)
@@ -230,7 +224,7 @@ def report_fit(trainer, module: MTPModule, dm: MTPDataModule, model) -> None:
             print(f"  head {i}: loss {float(loss):.3f}  top-1 accuracy {float(acc):.3f}")
     entropy = unigram_entropy(dm.val_tokens, dm.tokenizer.get_vocab_size())
     print(f"  unigram entropy of the validation tokens: {entropy:.3f} nats")
-    from mtp.decoding import generate
+    from mtp.decoding.generation import generate
 
     prompt = "def fibonacci(n):\n"
     model.eval()
@@ -292,7 +286,7 @@ def fit_main(argv: list[str]) -> int:
     # command line: LightningCLI's warning about args beside sys.argv does not apply
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
     interrupt = Interruptible(argv)
-    interrupt.install()  # from here on, SIGINT / SIGTERM stop the run where it is (mtp.fault)
+    interrupt.install()  # from here on, SIGINT / SIGTERM stop the run where it is (mtp.train.fault)
     try:
         MTPCLI(
             interrupt=interrupt,

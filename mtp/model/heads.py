@@ -8,7 +8,8 @@ positions ahead):
 - `linear`: a d x d map of h per head, the cheapest head with a weight of its own.
 - `medusa` (Cai et al. 2024): a residual block h + SiLU(W_i h) per head. W_i starts at zero, so
   every head starts as the identity, as Medusa initialises its heads.
-- `medusa1`: Medusa-1 as published and as vLLM serves it (`mtp export medusa`, `mtp.medusa`).
+- `medusa1`: Medusa-1 as published and as vLLM serves it (`mtp export medusa`,
+  `mtp.interop.vllm_medusa`).
   Head 1 is the main model's own output; head i > 1 is a residual block z + SiLU(W_i z + b_i)
   on the normalised trunk output z = norm(h), with no norm after it: unlike every other type,
   the shared norm comes before the heads (`MTPTransformer.head_input`), not after
@@ -32,7 +33,7 @@ import torch
 from torch import nn
 
 from mtp.config import HEAD_TYPES, ModelConfig
-from mtp.layers import Block, RMSNorm
+from mtp.model.layers import Block, RMSNorm
 
 __all__ = [
     "CHAINED", "DeepSeekModule", "HEAD_TYPES", "LinearHead", "MainOutput", "MedusaHead",

@@ -2,11 +2,12 @@
 
 A GGUF file holds the whole model: its shape in metadata keys (``llama.block_count``, ...), its
 tokenizer (``tokenizer.ggml.*``: tokens, merges, token types, the pre-tokenizer's name and the
-end-of-sequence id) and its tensors, each in a quantisation type. This module reads the three,
-with the `gguf` library (the `gguf` extra), into what `mtp.hf` reads from a transformers
+end-of-sequence id) and its tensors, each in a quantisation type. This module reads the three, with
+the `gguf` library (the `gguf` extra), into what `mtp.interop.hf_import` reads from a transformers
 directory: a transformers-style ``config.json`` dict, a state dict in transformers' Llama names
-(weights dequantised to fp32) and a `tokenizers.Tokenizer`. `mtp.hf.pretrained_config` and
-`mtp.hf.init_from_pretrained` then treat both sources alike, checks included.
+(weights dequantised to fp32) and a `tokenizers.Tokenizer`.
+`mtp.interop.hf_import.pretrained_config` and `mtp.interop.hf_import.init_from_pretrained` then
+treat both sources alike, checks included.
 
 What the file holds that mtp cannot reproduce is refused by name: another architecture, a
 quantisation type outside `QUANT_TYPES`, rotary scaling, a mixture of experts, a tokenizer other
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from mtp.config import InputError
+from mtp.util.errors import InputError
 
 __all__ = ["ARCHITECTURES", "GGUFError", "QUANT_TYPES", "is_gguf", "packaged_model",
            "read_chat_template", "read_config", "read_eos", "read_tokenizer", "read_weights"]

@@ -57,9 +57,9 @@ class MTPLM(TemplateLM):
                  batch_size: int | str = 8, device: str = "cpu", max_length: int | None = None,
                  **kwargs) -> None:
         super().__init__()
-        from mtp.checkpoint import load_checkpoint
-        from mtp.config import DECODERS
-        from mtp.vocab import eot_id
+        from mtp.decoding.names import DECODERS
+        from mtp.model.checkpoint import load_checkpoint
+        from mtp.model.vocab import eot_id
 
         if decoder not in DECODERS:
             raise ValueError(f"--model_args decoder={decoder!r}: choose one of "
@@ -158,7 +158,7 @@ class MTPLM(TemplateLM):
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Each request's continuation, up to its first ``until`` string or end-of-text, at most
         ``max_gen_toks`` tokens (default 256), decoded by `mtp.decoding.generate`."""
-        from mtp.decoding import generate
+        from mtp.decoding.generation import generate
 
         out: list[str | None] = [None] * len(requests)
         groups: dict[str, list[int]] = {}

@@ -40,7 +40,7 @@ import lightning as L
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from mtp.atomic import atomic_file, atomic_write, lock
+from mtp.util.atomic import atomic_file, atomic_write, lock
 
 __all__ = ["AtomicCheckpointIO", "Interruptible", "Stopped", "remove_stale_temporaries",
            "resume_command"]

@@ -1,0 +1,14 @@
+"""The decoders by name and their defaults, importable without torch (every `--help` reads
+them)."""
+
+from __future__ import annotations
+
+#: The decoders of `mtp.decoding.generate` (`mtp generate --decoder`).
+DECODERS = ("greedy", "sample", "self-spec", "tree", "draft", "lookup")
+
+#: Prompt lookup's most drafts per round where none is given (`--lookup 0`): decoder `lookup`, and
+#: transformers' prompt lookup in `mtp bench decode --transformers`.
+LOOKUP_TOKENS = 10
+
+#: The decoders that draft with the model's own heads 2..h.
+HEAD_DECODERS = ("self-spec", "tree")

@@ -1,6 +1,0 @@
-"""`python -m mtp.fit_help`: store the help of `mtp fit` and `mtp validate`."""
-
-from mtp.fit_help import write
-
-for path in write():
-    print(f"wrote {path}")

@@ -1,0 +1,28 @@
+"""The errors that say a user's input is wrong: `mtp` reports them in a line or two, naming the
+flag, file or value, and exits 2 (`mtp.cli`)."""
+
+from __future__ import annotations
+
+__all__ = ["ConfigError", "ExportError", "InputError", "MissingInput", "UserError"]
+
+
+class UserError(Exception):
+    """A mistake in a command line, a file or a value; the message names it. `mtp` reports
+    these in a line or two and exits 2 (with `--debug`, with the traceback)."""
+
+
+class ConfigError(ValueError, UserError):
+    """A configuration value is invalid; the message names each offending flag."""
+
+
+class InputError(ValueError, UserError):
+    """A file or value given to mtp is unusable (a corpus, tokenizer, shard or checkpoint)."""
+
+
+class MissingInput(FileNotFoundError, UserError):
+    """A file or directory given to mtp does not exist or holds nothing usable."""
+
+
+class ExportError(ValueError):
+    """A model or directory that cannot be written in, or read from, another library's layout
+    (an export, a pretrained checkpoint); the message says why."""
