@@ -182,17 +182,17 @@ def _check_ks(ks: list[int], n: int, what: str) -> None:
                         f"and {what} is {n}")
 
 
-def _note_context_window(completer, max_new_tokens: int) -> None:
-    """Say how many completions the context window shaped: prompts cut to their end to fit,
-    generation stopped at the window before --max-new-tokens."""
-    window = completer.model.cfg.max_seq_len
+def _note_context_length(completer, max_new_tokens: int) -> None:
+    """Say how many completions the context length shaped: prompts cut to their end to fit,
+    generation stopped at its end before --max-new-tokens."""
+    context_len = completer.model.cfg.max_seq_len
     if completer.prompts_cut:
         print(f"mtp eval: note: {completer.prompts_cut} of {completer.rows} completions continue "
-              f"a prompt cut to its last tokens, to fit the context window (--model.max_seq_len "
-              f"{window}) with --max-new-tokens {max_new_tokens}", file=sys.stderr)
-    if completer.at_window:
-        print(f"mtp eval: note: {completer.at_window} of {completer.rows} completions stopped "
-              f"at the context window ({window} tokens) before --max-new-tokens "
+              f"a prompt cut to its last tokens, to fit the context length (--model.max_seq_len "
+              f"{context_len}) with --max-new-tokens {max_new_tokens}", file=sys.stderr)
+    if completer.at_context_end:
+        print(f"mtp eval: note: {completer.at_context_end} of {completer.rows} completions stopped "
+              f"at the context length ({context_len} tokens) before --max-new-tokens "
               f"{max_new_tokens}", file=sys.stderr)
 
 
@@ -266,7 +266,7 @@ def _run(args: argparse.Namespace, held: ExitStack) -> int:
                                 "--prompt-format")
             config = dataclasses.replace(config, chat_template=completer.chat_template)
         summary = evaluate_completions(benchmark, completer=completer, config=config, **common)
-        _note_context_window(completer, args.max_new_tokens)
+        _note_context_length(completer, args.max_new_tokens)
     print_table(summary)
     if args.output is None:
         print(json.dumps({k: v for k, v in summary.items() if k.startswith("pass@")}))

@@ -35,8 +35,8 @@ class ModelCompleter:
         self.decode_kwargs = decode_kwargs
         self.eot_id = eot_id(tokenizer, model.cfg)
         self.stats = DecodeStats()
-        # completions made, and of them: from a prompt cut to fit, stopped by the window
-        self.rows = self.prompts_cut = self.at_window = 0
+        # completions made, and of them: from a prompt cut to fit, stopped at the context length
+        self.rows = self.prompts_cut = self.at_context_end = 0
 
     @property
     def chat_template(self) -> ChatTemplate | None:
@@ -74,13 +74,13 @@ class ModelCompleter:
             generator.seed()
         else:
             generator.manual_seed(seed)
-        window = self.model.cfg.max_seq_len
+        context_len = self.model.cfg.max_seq_len
         out: list[str] = []
         for i in range(0, len(prompts), self.batch_size):
             ids = [self.tokenizer.encode(p).ids for p in prompts[i : i + self.batch_size]]
             # An over-long prompt keeps its end (the completion continues from there), leaving
-            # room for the new tokens in the context window.
-            room = max(window - max_new_tokens, window // 2)
+            # room for the new tokens in the context length.
+            room = max(context_len - max_new_tokens, context_len // 2)
             self.rows += len(ids)
             self.prompts_cut += sum(len(x) > room for x in ids)
             ids = [x[-room:] for x in ids]
@@ -92,7 +92,7 @@ class ModelCompleter:
                 decode=self._decode, generator=generator, **self.decode_kwargs,
             )
             self.stats.add(stats)
-            self.at_window += sum(len(x) + len(t) >= window for x, t in zip(ids, tokens))
+            self.at_context_end += sum(len(x) + len(t) >= context_len for x, t in zip(ids, tokens))
             for t in tokens:
                 text = self._decode(t)
                 cut = min((text.find(s) for s in stop if isinstance(s, str) and s in text),

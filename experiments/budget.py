@@ -13,11 +13,11 @@ A run's estimated time is
 FLOPs are `MTPTransformer.flops_per_token(seq_len)` (forward and backward; tests/test_flops.py
 checks it against FlopCounterMode) times the tokens trained on, plus a third of it for every
 token scored afterwards (a forward pass). Host seconds are the work a faster GPU does not
-shorten, measured on the CPU machine by `measure` and kept in `fixed_costs.yaml` beside this
-file with the command, revision and CPU that measured them: starting a study's process,
-tokenising its corpus, setting up each run, dispatching each optimizer step and each decode
-forward, generating a synthetic task's tokens, running code-benchmark programs. They are added
-to the GPU's time, not overlapped with it, which bounds the time from above where the host
+shorten, measured on the CPU machine by `host_costs.measure` and kept in `fixed_costs.yaml`
+beside this file with the command, revision and CPU that measured them: starting a study's
+process, tokenising its corpus, setting up each run, dispatching each optimizer step and each
+decode forward, generating a synthetic task's tokens, running code-benchmark programs. They are
+added to the GPU's time, not overlapped with it, which bounds the time from above where the host
 dispatches while the GPU computes; and they were measured on a shared 2-core machine, slower
 than a GPU server's host.
 
@@ -42,10 +42,9 @@ if __package__ in (None, ""):  # run as a script, `python experiments/budget.py`
 
 import yaml  # noqa: E402
 
-from experiments.common import REPO, markdown_table  # noqa: E402
+from experiments.common import REPO, markdown_table, model_shape  # noqa: E402
+from experiments.host_costs import FIXED_COSTS, measure, write_fixed_costs  # noqa: E402
 from mtp.util.errors import InputError  # noqa: E402
-
-FIXED_COSTS = Path(__file__).resolve().parent / "fixed_costs.yaml"
 
 POWER_TARGET_SD = 2.0
 """The true difference, in pooled standard deviations of the seeds, that a GPU preset's seeds
@@ -106,7 +105,7 @@ def arithmetic(precision: str | int) -> str:
 
 @dataclass(frozen=True)
 class FixedCosts:
-    """Host seconds that a faster GPU does not shorten (`measure` writes them)."""
+    """Host seconds that a faster GPU does not shorten (`host_costs.measure` measures them)."""
 
     start_s: float
     """Starting a study's process: Python with torch, Lightning and mtp imported."""
@@ -163,29 +162,6 @@ def load_fixed_costs(path: Path = FIXED_COSTS) -> FixedCosts:
 
 
 # -- one preset's plan -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Shape:
-    """What the estimate needs of a model: parameters, FLOPs per training token, blocks."""
-
-    params: int
-    flops_per_token: float
-    blocks: int
-
-
-def model_shape(model_cfg, seq_len: int) -> Shape:
-    """A `ModelConfig`'s parameters (all, embeddings included), FLOPs per training token at
-    `seq_len` and transformer blocks, from a model built without memory (on the meta device)."""
-    import torch
-
-    from mtp.model.layers import Block
-    from mtp.model.transformer import build_model
-
-    with torch.device("meta"):
-        model = build_model(model_cfg)
-    return Shape(model.num_params(), model.flops_per_token(seq_len),
-                 sum(isinstance(m, Block) for m in model.modules()))
 
 
 def steps_for(tokens_per_param: float, params: int, tokens_per_step: int) -> int:
@@ -422,8 +398,6 @@ def main(argv: list[str] | None = None) -> int:
     if not args.measure:
         parser.error("nothing to do: give --measure (estimates: `python -m experiments.<study> "
                      "--preset <gpu preset> --estimate`)")
-    from experiments.host_costs import measure, write_fixed_costs
-
     write_fixed_costs(measure())
     print(FIXED_COSTS.read_text())
     return 0

@@ -1,4 +1,5 @@
-"""Shared plumbing of the studies: presets, resumable CSV results, summaries, plots, reports.
+"""Shared plumbing of the studies: presets, model shapes, resumable CSV results, summaries,
+plots, reports.
 
 Every study appends one CSV row per finished run, keyed by the run's coordinates (for example
 K and seed), so a rerun of the same command skips what is done and continues where an
@@ -17,6 +18,7 @@ import shlex
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from mtp.util.errors import ConfigError, InputError, UserError
@@ -191,6 +193,30 @@ def head1_depth(model) -> int:
     from mtp.model.layers import Block
 
     return model.cfg.n_trunk_layers + sum(isinstance(m, Block) for m in model.heads[0].modules())
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the time estimate (`experiments.budget`) and the pages' compute need of a model:
+    parameters, FLOPs per training token, transformer blocks."""
+
+    params: int
+    flops_per_token: float
+    blocks: int
+
+
+def model_shape(model_cfg, seq_len: int) -> Shape:
+    """A `ModelConfig`'s parameters (all, embeddings included), FLOPs per training token at
+    `seq_len` and transformer blocks, from a model built without memory (on the meta device)."""
+    import torch
+
+    from mtp.model.layers import Block
+    from mtp.model.transformer import build_model
+
+    with torch.device("meta"):
+        model = build_model(model_cfg)
+    return Shape(model.num_params(), model.flops_per_token(seq_len),
+                 sum(isinstance(m, Block) for m in model.modules()))
 
 
 NOT_RECORDED = "not recorded"

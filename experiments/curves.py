@@ -28,6 +28,7 @@ from experiments.common import (
     column,
     curve_plot,
     markdown_table,
+    model_shape,
     summarize,
 )
 
@@ -213,8 +214,6 @@ def synthetic_budget(rows: list[dict], by: dict, sizes: list[int], ks: list[int]
     training FLOPs per token of each width and K ({d: {k: flops}}, {} where the settings are
     not known; `model_config(settings, d, k)` is the study's model) and the page's note on
     settings read from the preset file."""
-    from experiments.budget import model_shape
-
     settings, fallback = synthetic_settings(
         rows, preset, ("task", "n_layers", "head_dim", "seq_len", "batch_size"))
     known = len(settings) == 5

@@ -139,9 +139,9 @@ def planned_tests(head_types: list[str], ks: list[int]) -> int:
     draft position's acceptance of deepseek against each other head type."""
     multi = [k for k in ks if k > 1]
     parallel = [h for h in head_types if h != "deepseek"]
-    chained = "deepseek" in head_types and multi
+    cascaded = "deepseek" in head_types and multi
     return (1 + len(head_types) * len(multi)
-            + (len(parallel) * (max(multi) - 1) if chained else 0))
+            + (len(parallel) * (max(multi) - 1) if cascaded else 0))
 
 
 def _findings(by: dict, head_types: list[str], ks: list[int], base: list[dict],
@@ -152,16 +152,16 @@ def _findings(by: dict, head_types: list[str], ks: list[int], base: list[dict],
     verdict says whether its groups had converged."""
     k_top = max(ks) if ks else 1
     parallel = [h for h in head_types if h != "deepseek"]
-    chained = by.get(("deepseek", str(k_top)), []) if "deepseek" in head_types else []
+    cascaded = by.get(("deepseek", str(k_top)), []) if "deepseek" in head_types else []
     fam = Family()
     learned = (fam.against(column(base, "next_token_loss"), math.log(vocab),
                            "a uniform guess's loss", "less") if base and vocab else None)
     losses = {(h, k): fam.compare(column(by[(h, str(k))], "next_token_loss"),
                                   column(base, "next_token_loss"))
               for h in head_types for k in ks if by.get((h, str(k))) and base}
-    acceptance = {(h, i): fam.compare(column(chained, f"accept_pos{i}"),
+    acceptance = {(h, i): fam.compare(column(cascaded, f"accept_pos{i}"),
                                       column(by[(h, str(k_top))], f"accept_pos{i}"))
-                  for h in parallel if chained and by.get((h, str(k_top)))
+                  for h in parallel if cascaded and by.get((h, str(k_top)))
                   for i in range(1, k_top)}
     fam.decide()
 

@@ -1,5 +1,8 @@
-"""Measuring the host costs of `experiments.budget.FixedCosts` on this machine, for
-`python -m experiments.budget --measure`, which writes them to `fixed_costs.yaml`."""
+"""Measuring the host costs of `experiments.budget.FixedCosts` on this machine and writing them
+to `fixed_costs.yaml` (`FIXED_COSTS`), for `python -m experiments.budget --measure`.
+
+The layer below budget.py: budget.py reads the file this module writes and runs its `measure`;
+this module imports nothing of budget.py (the model's shape comes from `experiments.common`)."""
 
 from __future__ import annotations
 
@@ -12,8 +15,11 @@ from pathlib import Path
 
 import yaml
 
-from experiments.budget import FIXED_COSTS, model_shape
-from experiments.common import REPO, single_thread
+from experiments.common import REPO, model_shape, single_thread
+
+FIXED_COSTS = Path(__file__).resolve().parent / "fixed_costs.yaml"
+"""The measured host costs, with the command, revision and CPU that measured them:
+`write_fixed_costs` writes it, `experiments.budget.load_fixed_costs` reads it."""
 
 
 def _median_time(fn, repeat: int = 3) -> float:
@@ -65,7 +71,7 @@ def measure() -> dict:
     task = InductionTask(n_first=4, n_second=4, n_filler=8, names_per_seq=1, name_prob=0.3)
 
     def fit(layers: int, steps: int) -> float:
-        cfg = ModelConfig(vocab_size=task.vocab_size, d_model=16, n_layers=layers, n_heads=1,
+        cfg = ModelConfig(vocab_size=task.vocab_size, d_model=16, n_layers=layers, n_attn_heads=1,
                           max_seq_len=16)
         start = time.perf_counter()
         train_model(task, cfg, OptimConfig(lr=1e-3, warmup_steps=1), seq_len=8, batch_size=1,
@@ -85,7 +91,7 @@ def measure() -> dict:
     per_forward = {}
     for layers in (1, 7):
         torch.manual_seed(0)
-        model = build_model(ModelConfig(vocab_size=64, d_model=16, n_layers=layers, n_heads=1,
+        model = build_model(ModelConfig(vocab_size=64, d_model=16, n_layers=layers, n_attn_heads=1,
                                         max_seq_len=160)).eval()
         generate(model, [[1, 2, 3, 4]], 8)
         _, stats = generate(model, [[1, 2, 3, 4]], 128)

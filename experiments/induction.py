@@ -42,6 +42,7 @@ from experiments.common import (  # noqa: E402 (a script puts the repository on 
     log_hparams,
     map_runs,
     markdown_table,
+    model_shape,
     per_seed,
     pm,
     preset_settings,
@@ -74,14 +75,14 @@ def model_config(preset: dict, d: int, k: int):
     from mtp.config import ModelConfig
 
     return ModelConfig(vocab_size=_task(preset).vocab_size, d_model=d,
-                       n_layers=preset["n_layers"], n_heads=max(1, d // preset["head_dim"]),
+                       n_layers=preset["n_layers"], n_attn_heads=max(1, d // preset["head_dim"]),
                        n_future=k, max_seq_len=preset["seq_len"] + 8)
 
 
 def train_steps(preset: dict, d: int) -> int:
     """Training steps at width d: the preset's `steps`, or those its `tokens_per_param` gives
     the K = 1 model of that width (every K trains as long)."""
-    from experiments.budget import model_shape, preset_steps
+    from experiments.budget import preset_steps
 
     return preset_steps(preset, model_shape(model_config(preset, d, 1),
                                             preset["seq_len"]).params)

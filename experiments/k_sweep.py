@@ -49,6 +49,7 @@ from experiments.common import (
     head1_depth,
     load_preset,
     log_hparams,
+    model_shape,
     parse_int_list,
     provenance,
     single_thread,
@@ -113,7 +114,7 @@ def width_sweeps(preset: dict) -> list[tuple[int | None, dict]]:
         raise InputError(f"--preset {preset['_path']}: widths {bad} must be multiples of its "
                          f"head_dim (got {head_dim!r})")
     return [(w, sized(_deep_merge(preset, {"fit": {"model": {"d_model": w,
-                                                              "n_heads": w // head_dim}}})))
+                                                              "n_attn_heads": w // head_dim}}})))
             for w in widths]
 
 
@@ -127,7 +128,7 @@ def sized(preset: dict) -> dict:
     if "max_steps" in preset.get("fit", {}).get("trainer", {}):
         raise InputError(f"--preset {preset['_path']}: give tokens_per_param or "
                          "fit.trainer.max_steps, not both")
-    from experiments.budget import model_shape, steps_for
+    from experiments.budget import steps_for
 
     cfg = sweep_config(preset)
     shape = model_shape(model_config(cfg["model"] | {"n_future": 1}), cfg["data"]["seq_len"])
@@ -448,7 +449,7 @@ def _run_cost(sweep: dict, cfg: dict, costs, label: str, count: int, has_k1: boo
     from experiments import budget
 
     seq, batch = int(cfg["data"]["seq_len"]), int(cfg["data"]["batch_size"])
-    shape = budget.model_shape(model_config(cfg["model"]), seq)
+    shape = model_shape(model_config(cfg["model"]), seq)
     trainer, ev, k = cfg["trainer"], sweep["eval"], cfg["model"]["n_future"]
     steps = int(trainer["max_steps"])
     val_batches = steps // int(trainer["val_check_interval"]) * int(trainer["limit_val_batches"])

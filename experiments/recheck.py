@@ -202,13 +202,13 @@ def head_types_tests() -> list[Expect]:
                                _values(by[h, k_top], "next_token_loss"), base, [learned]))
     for h in (h for h in types if h != "deepseek"):
         for i in range(1, k_top):
-            chained = _values(by["deepseek", k_top], f"accept_pos{i}")
+            cascaded = _values(by["deepseek", k_top], f"accept_pos{i}")
             other = _values(by[h, k_top], f"accept_pos{i}")
             # acceptance has a floor of 0 and a ceiling of 1: neither group may sit there
-            if not 0 < min(_mean(chained), _mean(other)) <= max(_mean(chained),
+            if not 0 < min(_mean(cascaded), _mean(other)) <= max(_mean(cascaded),
                                                                 _mean(other)) < 1:
                 raise ValueError(f"acceptance of draft {i} at 0 or 1: no comparison there")
-            tests.append(two_sided(f"Acceptance of draft {i}, deepseek vs {h} heads", chained,
+            tests.append(two_sided(f"Acceptance of draft {i}, deepseek vs {h} heads", cascaded,
                                    other))
     return tests
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import InitVar, dataclass, field
 from typing import Literal
 
 from mtp.util.errors import ConfigError
@@ -34,12 +35,12 @@ class ModelConfig:
     """Residual stream width d."""
     n_layers: int = 4
     """Trunk blocks (with `matched_params`, the trunk of the K = 1 model)."""
-    n_heads: int = 3
-    """Attention heads per block."""
-    n_kv_heads: int | None = None
-    """Key/value heads for grouped-query attention (None: same as `n_heads`)."""
+    n_attn_heads: int = 3
+    """Attention heads per block (not output heads: those are `n_future`)."""
+    n_attn_kv_heads: int | None = None
+    """Key/value attention heads for grouped-query attention (None: `n_attn_heads`)."""
     n_future: int = 4
-    """K: number of output heads; head i (1-based) predicts the token i positions ahead."""
+    """K: number of output heads; head 1 predicts the next token, head k the token k ahead."""
     head_type: Literal["block", "linear", "medusa", "medusa1", "deepseek"] = "block"
     """Output heads (`mtp.model.heads`): a transformer block each (the paper's default), a linear d
     x d map each, Medusa's residual block h + SiLU(W h) each, Medusa-1 as vLLM serves it (head 1 the
@@ -82,25 +83,37 @@ class ModelConfig:
     become the trunk and head 1, heads 2..K start as copies of its last layer, and its tokenizer
     becomes the default `--data.tokenizer` (`mtp.interop.hf_import.pretrained_config`)."""
 
-    def __post_init__(self) -> None:
+    n_heads: InitVar[int | None] = None
+    """Deprecated: `n_attn_heads`."""
+    n_kv_heads: InitVar[int | None] = None
+    """Deprecated: `n_attn_kv_heads`."""
+
+    def __post_init__(self, n_heads: int | None = None, n_kv_heads: int | None = None) -> None:
         p = []
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_future", "max_seq_len"):
+        for old, value in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads)):
+            if value is not None:
+                new = RENAMED_MODEL_FIELDS[old]
+                warnings.warn(f"--model.{old} is deprecated: it is now --model.{new} (attention "
+                              f"heads, not output heads)", FutureWarning, stacklevel=3)
+                setattr(self, new, value)
+        for name in ("vocab_size", "d_model", "n_layers", "n_attn_heads", "n_future",
+                     "max_seq_len"):
             if getattr(self, name) < 1:
                 p.append(f"--model.{name} must be >= 1 (got {getattr(self, name)})")
-        if self.n_heads >= 1 and self.d_model % self.n_heads:
+        if self.n_attn_heads >= 1 and self.d_model % self.n_attn_heads:
             p.append(
-                f"--model.d_model ({self.d_model}) must be divisible by --model.n_heads "
-                f"({self.n_heads})"
+                f"--model.d_model ({self.d_model}) must be divisible by --model.n_attn_heads "
+                f"({self.n_attn_heads})"
             )
-        elif self.n_heads >= 1 and (self.d_model // self.n_heads) % 2:
-            p.append(f"--model.d_model / --model.n_heads must be even for RoPE (got "
-                     f"{self.d_model // self.n_heads})")
-        if self.n_kv_heads is not None and (
-            self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads
+        elif self.n_attn_heads >= 1 and (self.d_model // self.n_attn_heads) % 2:
+            p.append(f"--model.d_model / --model.n_attn_heads must be even for RoPE (got "
+                     f"{self.d_model // self.n_attn_heads})")
+        if self.n_attn_kv_heads is not None and (
+            self.n_attn_kv_heads < 1 or self.n_attn_heads % self.n_attn_kv_heads
         ):
             p.append(
-                f"--model.n_kv_heads ({self.n_kv_heads}) must be >= 1 and divide "
-                f"--model.n_heads ({self.n_heads})"
+                f"--model.n_attn_kv_heads ({self.n_attn_kv_heads}) must be >= 1 and divide "
+                f"--model.n_attn_heads ({self.n_attn_heads})"
             )
         if self.head_type not in HEAD_TYPES:
             p.append(f"--model.head_type must be one of {', '.join(HEAD_TYPES)} (got "
@@ -137,12 +150,14 @@ class ModelConfig:
         return n - (self.n_future - 1) if self.matched_params else n
 
     @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+    def attn_head_dim(self) -> int:
+        """Width hd of one attention head."""
+        return self.d_model // self.n_attn_heads
 
     @property
-    def kv_heads(self) -> int:
-        return self.n_kv_heads or self.n_heads
+    def attn_kv_heads(self) -> int:
+        """Key/value attention heads Hkv (`n_attn_kv_heads`, or one per attention head)."""
+        return self.n_attn_kv_heads or self.n_attn_heads
 
     @property
     def ffn_dim(self) -> int:
@@ -159,6 +174,17 @@ class ModelConfig:
 
 
 
+#: Model config fields renamed, old name -> new: a config, checkpoint or export that stores an
+#: old name still loads (`ModelConfig` takes the old names as deprecated init-only arguments).
+RENAMED_MODEL_FIELDS = {"n_heads": "n_attn_heads", "n_kv_heads": "n_attn_kv_heads"}
+
+
+def current_model_fields(stored: dict) -> dict:
+    """A stored model config (a checkpoint's or an export's) with renamed fields under their
+    current names."""
+    return {RENAMED_MODEL_FIELDS.get(k, k): v for k, v in stored.items()}
+
+
 #: The values of `--model.head_type` (`mtp.model.heads`).
 HEAD_TYPES: tuple[str, ...] = typing.get_args(typing.get_type_hints(ModelConfig)["head_type"])
 
@@ -166,16 +192,18 @@ HEAD_TYPES: tuple[str, ...] = typing.get_args(typing.get_type_hints(ModelConfig)
 #: that trains on two CPU cores in minutes; the rest are GPU sizes (parameter counts at V = 32000,
 #: K = 4, matched to the K = 1 model of the same name).
 MODEL_REGISTRY: dict[str, ModelConfig] = {
-    "debug": ModelConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=2, n_future=2,
+    "debug": ModelConfig(vocab_size=256, d_model=32, n_layers=2, n_attn_heads=2, n_future=2,
                          max_seq_len=64),
-    "cpu": ModelConfig(),
-    "125M": ModelConfig(vocab_size=32000, d_model=768, n_layers=11, n_heads=12, max_seq_len=2048,
+    "cpu": ModelConfig(), "125M": ModelConfig(vocab_size=32000, d_model=768, n_layers=11,
+    n_attn_heads=12, max_seq_len=2048,
                         matched_params=True),
-    "350M": ModelConfig(vocab_size=32000, d_model=1024, n_layers=23, n_heads=16,
+    "350M": ModelConfig(vocab_size=32000, d_model=1024, n_layers=23, n_attn_heads=16,
                         max_seq_len=2048, matched_params=True),
-    "1B": ModelConfig(vocab_size=32000, d_model=2048, n_layers=17, n_heads=16, n_kv_heads=8,
+    "1B": ModelConfig(vocab_size=32000, d_model=2048, n_layers=17, n_attn_heads=16,
+    n_attn_kv_heads=8,
                       max_seq_len=4096, matched_params=True),
-    "7B": ModelConfig(vocab_size=32000, d_model=4096, n_layers=31, n_heads=32, n_kv_heads=8,
+    "7B": ModelConfig(vocab_size=32000, d_model=4096, n_layers=31, n_attn_heads=32,
+    n_attn_kv_heads=8,
                       ffn_hidden=11008, max_seq_len=4096, matched_params=True),
 }
 
@@ -307,7 +335,8 @@ class OptimConfig:
     """AdamW epsilon."""
     train: Literal["all", "heads"] = "all"
     """`heads`: only heads 2..K learn; the trunk, head 1, embedding, final norm and unembedding
-    stay as they are (Medusa-1 on an `--model.init_from` model)."""
+    stay as they are: frozen-trunk training (`mtp.train.frozen_trunk`), as Medusa-1 trains its
+    heads on a pretrained model."""
     pretrained_lr_scale: float = 1.0
     """The learning rate of the trunk, head 1, embedding, final norm and unembedding, as a
     fraction of `lr`; heads 2..K learn at `lr` (below 1: Medusa-2's joint training)."""

@@ -91,7 +91,8 @@ def cases(p: dict[str, str]) -> list[Case]:
         # mtp fit: each must fail before any corpus is read
         Case("fit", [*fit, "--model.vocab_size", "100"], "--model.vocab_size"),
         Case("fit", [*fit, "--model.n_future", "0"], "--model.n_future must be >= 1"),
-        Case("fit", [*fit, "--model.d_model", "100", "--model.n_heads", "3"], "--model.n_heads"),
+        Case("fit", [*fit, "--model.d_model", "100", "--model.n_attn_heads", "3"],
+             "--model.n_attn_heads"),
         Case("fit", [*fit, "--model.head_type", "nonsense"], "head_type"),
         Case("fit", [*fit, "--model.head_type", "linear", "--model.matched_params", "true"],
              "--model.matched_params does not apply to --model.head_type linear"),

@@ -1,7 +1,7 @@
 """The cases of `bad_input_sweep.py` that a hostile user makes: odd corpora (empty, binary files
 named .py, one line of 10 MB, links in loops), GGUF files and checkpoints cut short, exports whose
 side files were deleted or edited, signals at each stage of a run, commands started at once,
---max-new-tokens beyond the context window and prompts longer than it. Also `Case`, what every
+--max-new-tokens beyond the context length and prompts longer than it. Also `Case`, what every
 case of the sweep is, and the checks of what the signalled and concurrent cases leave behind.
 """
 
@@ -89,13 +89,13 @@ def _stdlib_texts(n: int, smallest: int = 2_000, largest: int = 40_000) -> list[
 def odd_fixtures(root: Path, tok, paths: dict[str, str], data: Path) -> dict[str, str]:
     """What a hostile user feeds the commands: odd corpora (empty, binary as .py, one line of
     10 MB, links in loops), cut-off checkpoints and GGUF files, exports whose side files were
-    deleted or edited, checkpoints with a chat template and a long context window."""
+    deleted or edited, checkpoints with a chat template and a long context length."""
     import torch
 
     from mtp.config import ModelConfig
-    from mtp.interop.gguf import packaged_model
     from mtp.interop.hf_export import export
     from mtp.model.checkpoint import load_checkpoint, save_checkpoint
+    from mtp.model.gguf import packaged_model
     from mtp.model.transformer import MTPTransformer
 
     rng = random.Random(0)
@@ -386,11 +386,11 @@ def odd_cases(p: dict[str, str]) -> list[Case]:
                                p["TEXT"] + "/sub"], "notes.txt"),
         Case("export-medusa", [*MTP, "export", "medusa", "--ckpt", p["M4"], "--output",
                                p["OUT"] + "-m4"], "vLLM Medusa heads 0..2", status=0),
-        # --max-new-tokens beyond the context window, prompts longer than it
+        # --max-new-tokens beyond the context length, prompts longer than it
         Case("context", [*gen, "--ckpt", p["K4"], "--decoder", "self-spec", "--max-new-tokens",
-                         "100000"], "stopped at the context window", status=0),
+                         "100000"], "stopped at the context length", status=0),
         Case("context", [*he, "--ckpt", p["K4"], "--limit", "1", "--max-new-tokens", "100000"],
-             "stopped at the context window", status=0, timeout=300),
+             "stopped at the context length", status=0, timeout=300),
         Case("context", [*decode, "--ckpt", p["K4"], "--max-new-tokens", "100000", "--csv",
                          "decode-long.csv"], "wrote", status=0, timeout=300,
              cwd="decode-long"),
@@ -398,7 +398,7 @@ def odd_cases(p: dict[str, str]) -> list[Case]:
                          "decode-prompt.csv"], "keep only their last", status=0, timeout=300,
              cwd="decode-prompt"),
         Case("context", [*distill, "--model", p["CHAT64"], "--out", "x.jsonl"],
-             "context window"),
+             "context length"),
         Case("context", [*MTP, "distill", *chat, "--source", p["DOCS"], "--requests", "1",
                          "--max-new-tokens", "100000", "--out", "long.jsonl"],
              "1/1 requests answered", status=0, timeout=300, cwd="distill-long"),

@@ -172,10 +172,10 @@ def test_bench_decode_refuses_bad_validation_prompts(run, tmp_path, capsys):
         ([*ckpt, "--prompt-tokens", "8"], ["--prompt-tokens is the length of a validation "
                                            "prompt: it needs --prompts validation"]),
         ([*ckpt, *validation, "--prompt-tokens", "60", "--max-new-tokens", "8"],
-         ["--prompt-tokens 60 + --max-new-tokens 8 exceed the context window",
+         ["--prompt-tokens 60 + --max-new-tokens 8 exceed the context length",
           "--model.max_seq_len 64"]),
         ([*ckpt, *validation, "--max-new-tokens", "8"],
-         ["--prompt-tokens 128 (the default) + --max-new-tokens 8 exceed the context window"]),
+         ["--prompt-tokens 128 (the default) + --max-new-tokens 8 exceed the context length"]),
         ([*ckpt, *validation, *small, "--limit", "1000000"],
          ["--limit 1000000: the validation text of", "windows of --prompt-tokens 8"]),
         (["--ckpt", str(bare), *validation, *small],

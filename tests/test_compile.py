@@ -37,7 +37,7 @@ def test_compiled_step_equals_eager():
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=199, d_model=32, n_layers=2, n_heads=2, n_future=3,
+    cfg = ModelConfig(vocab_size=199, d_model=32, n_layers=2, n_attn_heads=2, n_future=3,
                       max_seq_len=32)
     model = MTPTransformer(cfg)
     names = [n for n, _ in model.named_parameters()]

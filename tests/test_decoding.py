@@ -386,7 +386,7 @@ def test_bad_input_gives_clear_errors() -> None:
         generate(single, [[1, 2]], 4, decoder="self-spec")
     with pytest.raises(ValueError, match="single head"):
         generate(single, [[1, 2]], 4, decoder="tree")
-    with pytest.raises(ValueError, match="context window"):
+    with pytest.raises(ValueError, match="context length"):
         generate(model, [[1] * 128], 4)
     with pytest.raises(ValueError, match=r"heads must lie in \[1, 4\]"):
         generate(model, [[1, 2]], 4, decoder="self-spec", heads=5)
@@ -405,7 +405,7 @@ def test_bad_input_gives_clear_errors() -> None:
 
 
 @pytest.mark.parametrize(
-    "overrides", [{}, {"n_kv_heads": 1, "n_heads": 4}, {"head_type": "linear"},
+    "overrides", [{}, {"n_attn_kv_heads": 1, "n_attn_heads": 4}, {"head_type": "linear"},
                   {"head_type": "medusa1"}]
 )
 def test_batched_draft_heads_match_the_model(overrides) -> None:

@@ -40,7 +40,7 @@ torch.set_num_threads(1)
 
 def _model(head_type: str, K: int = 3, V: int = 61, n: int = 17) -> MTPTransformer:
     torch.manual_seed(0)
-    model = MTPTransformer(ModelConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=2,
+    model = MTPTransformer(ModelConfig(vocab_size=V, d_model=32, n_layers=2, n_attn_heads=2,
                                        n_future=K, max_seq_len=64, head_type=head_type,
                                        draft_vocab=n))
     model.draft_ids.copy_(torch.randperm(V)[:n])  # not a prefix of the ids, not sorted

@@ -249,7 +249,7 @@ def test_a_size_scan_runs_a_sweep_per_width_and_compares_them(tiny_corpus, tmp_p
         rows = list(csv.DictReader(open(out / f"d{w}" / "results.csv")))
         assert [r["K"] for r in rows] == ["1", "2"]
         fit = yaml.safe_load((work / f"d{w}" / "K2-s0" / "fit.yaml").read_text())
-        assert (fit["model"]["d_model"], fit["model"]["n_heads"]) == (w, heads)
+        assert (fit["model"]["d_model"], fit["model"]["n_attn_heads"]) == (w, heads)
     page = (out / "README.md").read_text()
     assert "[d = 16](d16/README.md)" in page and "d = 32, next-token loss of K = 2 vs K = 1" \
         in page and "too few seeds" in page

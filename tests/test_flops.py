@@ -32,7 +32,7 @@ B, T, V, D = 2, 32, 512, 64
 
 def _model(K: int, head_type: str, **overrides) -> MTPTransformer:
     torch.manual_seed(0)
-    shape = dict(vocab_size=V, d_model=D, n_layers=2, n_heads=2, max_seq_len=T)
+    shape = dict(vocab_size=V, d_model=D, n_layers=2, n_attn_heads=2, max_seq_len=T)
     return MTPTransformer(ModelConfig(**{**shape, **overrides}, n_future=K, head_type=head_type))
 
 
@@ -53,10 +53,11 @@ CASES = [
      for head_type in ("medusa", "medusa1", "deepseek")] + [
     # grouped-query attention (smaller qkv matrix, same score matmuls) and a tied unembedding
     # (one tensor, still run K times)
-    pytest.param(4, "block", dict(n_heads=4, n_kv_heads=2, tie_embeddings=True), id="K4-gqa-tied"),
+    pytest.param(4, "block", dict(n_attn_heads=4, n_attn_kv_heads=2, tie_embeddings=True),
+                 id="K4-gqa-tied"),
     # heads 2..K over a draft vocabulary: their unembedding has Vd rows, head 1's V
     pytest.param(3, "linear", dict(draft_vocab=128), id="K3-linear-draft"),
-    # trunk blocks moved into the chained heads
+    # trunk blocks moved into the cascaded heads
     pytest.param(2, "deepseek", dict(n_layers=3, matched_params=True), id="K2-deepseek-matched"),
 ]
 
@@ -88,7 +89,7 @@ def _attention(seq_len: int, d: int) -> int:
 
 def test_flops_per_token_matches_hand_count_block_heads():
     """K = 3 block heads, grouped-query attention, a draft vocabulary of 100 for heads 2, 3."""
-    cfg = ModelConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=2, n_kv_heads=1,
+    cfg = ModelConfig(vocab_size=512, d_model=64, n_layers=2, n_attn_heads=2, n_attn_kv_heads=1,
                       ffn_hidden=96, n_future=3, head_type="block", draft_vocab=100,
                       max_seq_len=64)
     seq_len = 40
@@ -104,7 +105,7 @@ def test_flops_per_token_matches_hand_count_block_heads():
 def test_flops_per_token_matches_hand_count_linear_heads():
     """K = 4 linear heads and a tied unembedding: one tensor, still run by each of the 4 heads;
     the embedding lookup costs nothing."""
-    cfg = ModelConfig(vocab_size=300, d_model=32, n_layers=3, n_heads=4, ffn_hidden=80,
+    cfg = ModelConfig(vocab_size=300, d_model=32, n_layers=3, n_attn_heads=4, ffn_hidden=80,
                       n_future=4, head_type="linear", tie_embeddings=True, max_seq_len=64)
     seq_len = 24
     trunk = 3 * _block(32, 4, 4, 80)

@@ -15,7 +15,7 @@ from mtp.train.targets import mtp_inputs_targets, self_targets
 
 def _frozen_model(head_type: str, **kw) -> MTPTransformer:
     torch.manual_seed(0)
-    model = MTPTransformer(ModelConfig(vocab_size=97, d_model=32, n_layers=2, n_heads=2,
+    model = MTPTransformer(ModelConfig(vocab_size=97, d_model=32, n_layers=2, n_attn_heads=2,
                                        n_future=3, max_seq_len=64, head_type=head_type, **kw))
     new = {id(p) for head in model.heads[1:] for p in head.parameters()}
     for p in model.parameters():
@@ -37,7 +37,7 @@ def test_the_frozen_trunk_path_equals_the_sequential_path(head_type, targets, dr
     window = torch.randint(0, 97, (4, 21 + 3))
     inputs, data_targets = mtp_inputs_targets(window, 3)
     want_targets = data_targets if targets == "data" else self_targets(
-        model, window, chain=targets == "greedy")
+        model, window, on_greedy_path=targets == "greedy")
     weights = [0.0, 1.0, 0.5]
     want = sequential_mtp_loss(model, inputs, want_targets, weights, with_accuracy=True)
     want_grads = _head_grads(model, want.loss)
@@ -92,7 +92,7 @@ def test_greedy_targets_are_the_greedy_continuation_where_the_data_follow_it():
     cycle = torch.tensor(model.cycle)
     window = cycle[torch.arange(T + K) % 11][None].clone()
     window[0, 6] = (window[0, 6] + 1) % 256  # a token off the greedy path
-    targets = self_targets(model, window, chain=True)  # (K, 1, T)
+    targets = self_targets(model, window, on_greedy_path=True)  # (K, 1, T)
     on, off = 0, 0
     for t in range(T):
         chain, _ = generate(model, [window[0, :t + 1].tolist()], K, decoder="greedy")

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from mtp.config import ModelConfig
-from mtp.interop import gguf as mtp_gguf
 from mtp.interop.hf_import import init_from_pretrained, pretrained_config
+from mtp.model import gguf as mtp_gguf
 from mtp.model.transformer import build_model
 from mtp.util.errors import ExportError
 
@@ -62,7 +62,7 @@ def test_smollm2_logits_and_token_ids_equal_transformers(smollm2_mtp, transforme
     reference, hf_tokenizer = transformers_model
     model, tokenizer = smollm2_mtp
     cfg = model.cfg
-    assert (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.vocab_size) == \
+    assert (cfg.n_layers, cfg.d_model, cfg.n_attn_heads, cfg.n_attn_kv_heads, cfg.vocab_size) == \
         (29, 576, 9, 3, 49152)
     assert cfg.tie_embeddings and cfg.rope_theta == 1e5 and cfg.eot_token == "<|im_end|>"
     assert cfg.chat_template.startswith("{% for message in messages %}")

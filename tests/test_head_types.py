@@ -1,4 +1,4 @@
-"""Every decoder with every head type, and the chained (deepseek) drafter against the model's
+"""Every decoder with every head type, and the cascaded (deepseek) drafter against the model's
 own teacher-forced forward. Block heads are covered the same way in tests/test_decoding.py."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from decoding_helpers import (
     train_cyclic,
 )
 
-from mtp.decoding import chained
+from mtp.decoding import cascaded
 from mtp.decoding.generation import generate
 from mtp.decoding.tree import Tree
 
@@ -38,7 +38,7 @@ DECODERS = [
 
 @functools.cache
 def _trained(head_type: str):
-    """(full, early) models of one head type trained on the cyclic stream. Chained heads learn
+    """(full, early) models of one head type trained on the cyclic stream. Cascaded heads learn
     the cycle within a few steps, so their early snapshot is taken sooner."""
     return train_cyclic(steps=120, snapshot=2 if head_type == "deepseek" else 9,
                         head_type=head_type)
@@ -114,7 +114,7 @@ def test_deepseek_drafts_condition_on_their_own_drafts(deepseek_trained, monkeyp
     tree = Tree.from_widths([2, 2, 1])
     seen, children_differ = 0, 0
     proposals = []
-    propose = chained.ChainedHeads.propose
+    propose = cascaded.CascadedHeads.propose
 
     def recording(self, ctx, pending, n):
         prop = propose(self, ctx, pending, n)
@@ -122,7 +122,7 @@ def test_deepseek_drafts_condition_on_their_own_drafts(deepseek_trained, monkeyp
         proposals.append((seqs, prop))
         return prop
 
-    monkeypatch.setattr(chained.ChainedHeads, "propose", recording)
+    monkeypatch.setattr(cascaded.CascadedHeads, "propose", recording)
     for model in (early, full):
         prompts = cyclic_prompts(model, 4, seed=7)
         proposals.clear()
@@ -153,7 +153,7 @@ def test_deepseek_chain_drafts_are_the_teacher_forced_chain(deepseek_trained, mo
     in rounds after accepted and rejected drafts and with rows of different lengths."""
     full, early = deepseek_trained
     checked = 0
-    propose = chained.ChainedHeads.propose
+    propose = cascaded.CascadedHeads.propose
 
     def checking(self, ctx, pending, n):
         nonlocal checked
@@ -167,7 +167,7 @@ def test_deepseek_chain_drafts_are_the_teacher_forced_chain(deepseek_trained, mo
                 checked += 1
         return prop
 
-    monkeypatch.setattr(chained.ChainedHeads, "propose", checking)
+    monkeypatch.setattr(cascaded.CascadedHeads, "propose", checking)
     for model in (early, full):
         prompts = cyclic_prompts(model, 6, seed=8) + [[3]]  # a prompt shorter than the chain
         ref, _ = generate(model, prompts, 24)

@@ -31,9 +31,10 @@ def tokenizer():
     return train_tokenizer(TEXTS, 300, 1 << 20)
 
 
-def _model(K=4, n_kv_heads=None, tie=False, head_type="block", seed=0) -> MTPTransformer:
+def _model(K=4, n_attn_kv_heads=None, tie=False, head_type="block", seed=0) -> MTPTransformer:
     torch.manual_seed(seed)
-    cfg = ModelConfig(vocab_size=320, d_model=64, n_layers=2, n_heads=4, n_kv_heads=n_kv_heads,
+    cfg = ModelConfig(vocab_size=320, d_model=64, n_layers=2, n_attn_heads=4,
+                      n_attn_kv_heads=n_attn_kv_heads,
                       n_future=K, max_seq_len=64, tie_embeddings=tie, head_type=head_type,
                       rope_theta=500.0, norm_eps=1e-6)
     model = MTPTransformer(cfg).eval()

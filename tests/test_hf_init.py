@@ -86,7 +86,7 @@ def _head_1_against_transformers(cfg: ModelConfig, path, with_model: bool = Fals
 def test_head_1_is_the_pretrained_model_before_training(tmp_path, tokenizer, kind, tie):
     path = _pretrained(tmp_path, tokenizer, kind, tie_word_embeddings=tie)
     cfg = pretrained_config(path, ModelConfig(n_future=3, max_seq_len=64))
-    assert (cfg.n_layers, cfg.d_model, cfg.kv_heads, cfg.attn_bias, cfg.tie_embeddings) == \
+    assert (cfg.n_layers, cfg.d_model, cfg.attn_kv_heads, cfg.attn_bias, cfg.tie_embeddings) == \
         (2, 64, 2, kind == "qwen2", tie)
     ours = _head_1_against_transformers(cfg, path)
     # heads 2..K start as copies of head 1's block: the same logits, until trained
@@ -210,7 +210,7 @@ def test_medusa_2_gives_the_pretrained_part_a_smaller_learning_rate():
     from mtp.config import LossConfig, OptimConfig
     from mtp.train.module import MTPModule
 
-    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, n_future=3,
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_attn_heads=2, n_future=3,
                       max_seq_len=32)
     module = MTPModule(cfg, OptimConfig(lr=1e-2, decay_steps=10, pretrained_lr_scale=0.1),
                        LossConfig())
@@ -226,7 +226,7 @@ def test_self_targets_are_the_models_own_greedy_predictions():
     from mtp.train.targets import self_targets
 
     torch.manual_seed(0)
-    model = MTPTransformer(ModelConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=2,
+    model = MTPTransformer(ModelConfig(vocab_size=50, d_model=32, n_layers=2, n_attn_heads=2,
                                        n_future=3, max_seq_len=32)).eval()
     window = torch.randint(0, 50, (2, 9))  # T = 6, K = 3
     got = self_targets(model, window, chunk=5)
@@ -245,7 +245,7 @@ def test_self_distillation_teaches_the_new_heads_the_models_own_continuations():
     from mtp.train.targets import self_targets
 
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=2, n_future=3,
+    cfg = ModelConfig(vocab_size=50, d_model=32, n_layers=2, n_attn_heads=2, n_future=3,
                       max_seq_len=32)
     module = MTPModule(cfg, OptimConfig(lr=1e-2, warmup_steps=0, decay_steps=60,
                                         train="heads"), LossConfig(targets="self"))

@@ -1,28 +1,38 @@
-"""The project's layout: no import cycle, modules of a readable size, layers that import only
-what DESIGN lets them. The import graph is read from the source, every import counted (those
-inside functions too), so a cycle hidden behind a lazy import is still one."""
+"""The project's layout against its map, docs/architecture.md: every import of mtp, kernels and
+eval within what the page's stage table allows, no import cycle anywhere in the tree
+(experiments and scripts included), every hop of the page's training step and decode round a
+real `file:function`, modules of a readable size. The import graph is read from the source,
+every import counted (those inside functions too), so a cycle hidden behind a lazy import is
+still one."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
 #: Where each installed package's source lies (`[tool.setuptools] package-dir`).
 PACKAGES = {"mtp": ROOT / "mtp", "mtp.kernels": ROOT / "kernels", "mtp.eval": ROOT / "eval"}
+#: The rest of the tree: the studies (a package) and the scripts (which import one another by
+#: their bare names, run from their folder).
+TREE = {**PACKAGES, "experiments": ROOT / "experiments", "": ROOT / "scripts"}
 MAX_LINES = 600
 
 
-def _modules() -> dict[str, Path]:
+def _modules(packages: dict[str, Path] = PACKAGES) -> dict[str, Path]:
     mods = {}
-    for package, folder in PACKAGES.items():
+    for package, folder in packages.items():
         for path in sorted(folder.rglob("*.py")):
+            if "reports" in path.relative_to(folder).parts:
+                continue
             parts = list(path.relative_to(folder).with_suffix("").parts)
             if parts[-1] == "__init__":
                 parts.pop()
-            mods[".".join([package, *parts])] = path
+            mods[".".join([p for p in (package, *parts) if p])] = path
     return mods
 
 
@@ -149,10 +159,12 @@ def test_the_cycle_finder_finds_a_cycle_behind_a_lazy_import(tmp_path):
     assert _cycles(graph) == [["a", "b", "c"]]
 
 
-def test_no_import_cycle_among_the_projects_modules():
-    mods = _modules()
+def test_no_import_cycle_anywhere_in_the_tree():
+    mods = _modules(TREE)
+    assert {"experiments.budget", "experiments.host_costs", "hostile_sweep"} <= mods.keys()
     graph = {m: _imports(m, p, mods) for m, p in mods.items()}
-    assert len(graph) > 40 and graph["mtp.bench.decode"] >= {"mtp.decoding.cli", "mtp.decoding.generation"}
+    assert len(graph) > 40
+    assert graph["mtp.bench.decode"] >= {"mtp.decoding.cli", "mtp.decoding.generation"}
     assert _cycles(graph) == []
 
 
@@ -239,3 +251,90 @@ def test_the_repositorys_kernels_folder_does_not_shadow_hugging_faces_kernels():
     repository's `kernels/` folder (installed as `mtp.kernels`) must not stand in its place."""
     kernels = pytest.importorskip("kernels")
     assert Path(kernels.__file__).resolve().parent != ROOT / "kernels", kernels.__file__
+
+
+def _stage_table() -> dict[str, tuple[list[str], set[str]]]:
+    """docs/architecture.md's stage table: stage -> (its modules' name prefixes, the stages it
+    may import)."""
+    folder_prefix = {"kernels/": "mtp.kernels", "eval/": "mtp.eval"}
+    table = {}
+    for row in ARCHITECTURE.read_text().split("## Stages and folders")[1].split("\n\n")[1] \
+            .splitlines()[2:]:
+        stage, folders, _, may = (c.strip() for c in row.strip("|").split("|"))
+        prefixes = []
+        for folder in re.findall(r"`([^`]+)`", folders):
+            if folder.startswith("mtp."):
+                continue  # the installed name beside a top-level folder
+            name = folder_prefix.get(folder) or folder.removesuffix("/").removesuffix(".py") \
+                .removesuffix("/__init__").replace("/", ".")
+            prefixes.append(name)
+        allowed = set() if may.startswith("nothing") else {a.strip() for a in may.split(",")}
+        table[stage] = (prefixes, allowed)
+    return table
+
+
+def _stage_of(module: str, table: dict) -> str:
+    """The stage whose prefix matches `module` most closely."""
+    best = max(((len(p), stage) for stage, (prefixes, _) in table.items() for p in prefixes
+                if module == p or module.startswith(p + ".")), default=None)
+    assert best is not None, f"{module} belongs to no stage of docs/architecture.md"
+    return best[1]
+
+
+def test_every_import_is_one_the_architecture_page_allows():
+    table = _stage_table()
+    assert {"model", "train", "decoding", "interop", "eval", "kernels"} <= table.keys()
+    assert table["kernels"] == (["mtp.kernels"], set())
+    mods = _modules()
+    bad = []
+    for name, path in mods.items():
+        stage = _stage_of(name, table)
+        allowed = table[stage][1]
+        for dep in sorted(_imports(name, path, mods)):
+            other = _stage_of(dep, table)
+            if other != stage and "every stage" not in allowed and other not in allowed:
+                bad.append(f"{path.relative_to(ROOT)} ({stage}) imports {dep} ({other})")
+    assert not bad, "imports the stage table does not allow:\n  " + "\n  ".join(bad)
+
+
+def _defines(path: Path, qualname: str) -> bool:
+    """Whether the module at `path` defines `qualname` (a function, class or method)."""
+    scope: list[ast.stmt] = ast.parse(path.read_text()).body
+    for part in qualname.split("."):
+        node = next((n for n in scope if isinstance(n, (ast.FunctionDef, ast.ClassDef))
+                     and n.name == part), None)
+        if node is None:
+            return False
+        scope = node.body
+    return True
+
+
+def test_every_hop_of_the_architecture_pages_paths_is_real():
+    """The training step and the decode round of docs/architecture.md name real functions."""
+    page = ARCHITECTURE.read_text()
+    for section in ("## A training step, hop by hop", "## A decode round, hop by hop"):
+        text = page.split(section)[1].split("\n## ")[0]
+        hops = re.findall(r"`([\w/]+\.py):([\w.]+)`", text)
+        assert len(hops) >= 8, section
+        missing = [f"{f}:{q}" for f, q in hops if not (ROOT / f).is_file()
+                   or not _defines(ROOT / f, q)]
+        assert not missing, f"{section}: no such function: {missing}"
+    assert not _defines(ROOT / "mtp/train/loss.py", "no_such_path")
+
+
+def test_the_heads_loss_has_one_home():
+    """Every way of computing the heads' loss is a path of `mtp.train.loss` (chosen from its
+    table); no other module defines a loss function of its own."""
+    from mtp.train.loss import PATHS
+
+    assert set(PATHS) == {"naive", "sequential", "frozen_trunk", "metrics"}
+    elsewhere = []
+    for name, path in _modules().items():
+        if name in ("mtp.train.loss", "mtp.loss") or name.startswith("mtp.kernels"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and re.fullmatch(r"_?\w*heads?_loss|\w*mtp_loss"
+                                                                  r"|compute_loss|_?heads_metrics",
+                                                                  node.name):
+                elsewhere.append(f"{path.relative_to(ROOT)}:{node.name}")
+    assert not elsewhere, elsewhere

@@ -34,7 +34,7 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("lmeval")
     tok = train_tokenizer(TEXTS, 300, 1 << 20)
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=320, d_model=64, n_layers=2, n_heads=4, n_future=3,
+    cfg = ModelConfig(vocab_size=320, d_model=64, n_layers=2, n_attn_heads=4, n_future=3,
                       max_seq_len=96)
     model = MTPTransformer(cfg).eval()
     for head in model.heads[1:]:  # heads that agree with head 1 where its greedy text repeats

@@ -19,7 +19,7 @@ from mtp.util.errors import ConfigError
 
 def _setup(K, *, seed=0, V=101, B=3, T=17, ignore=True, **cfg_kw):
     torch.manual_seed(seed)
-    cfg = ModelConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=2, n_future=K,
+    cfg = ModelConfig(vocab_size=V, d_model=32, n_layers=2, n_attn_heads=2, n_future=K,
                       max_seq_len=64, **cfg_kw)
     model = MTPTransformer(cfg)
     inputs, targets = mtp_inputs_targets(torch.randint(0, V, (B, T + K)), K)
@@ -182,7 +182,7 @@ def test_lightning_steps_match_between_strategies(tiny_corpus, tmp_path):
     from mtp.config import DataConfig
     from mtp.data import MTPDataModule
 
-    cfg = ModelConfig(vocab_size=300, d_model=32, n_layers=1, n_heads=2, n_future=3,
+    cfg = ModelConfig(vocab_size=300, d_model=32, n_layers=1, n_attn_heads=2, n_future=3,
                       max_seq_len=32)
     weights = {}
     for strategy in ("naive", "sequential"):
@@ -233,7 +233,7 @@ def test_curriculum_trains_only_the_heads_that_joined_and_logs_the_weights(tiny_
             m = trainer.callback_metrics
             self.logged.append([float(m[f"train/head_weight{i}"]) for i in (1, 2, 3)])
 
-    cfg = ModelConfig(vocab_size=300, d_model=32, n_layers=1, n_heads=2, n_future=3,
+    cfg = ModelConfig(vocab_size=300, d_model=32, n_layers=1, n_attn_heads=2, n_future=3,
                       max_seq_len=32)
     module = MTPModule(cfg, OptimConfig(lr=1e-2, warmup_steps=1),
                        LossConfig(schedule="curriculum", schedule_steps=4))

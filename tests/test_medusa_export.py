@@ -46,7 +46,7 @@ def _model(head_type: str = "medusa1", n_future: int = K, draft_vocab: int = 0,
     biases random and non-zero, the norm gains away from 1 (so a misplaced norm shows), and a
     draft vocabulary that is neither a prefix of the ids nor sorted."""
     torch.manual_seed(seed)
-    cfg = ModelConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=2, n_future=n_future,
+    cfg = ModelConfig(vocab_size=V, d_model=32, n_layers=2, n_attn_heads=2, n_future=n_future,
                       max_seq_len=64, head_type=head_type, draft_vocab=draft_vocab)
     model = MTPTransformer(cfg).eval()
     with torch.no_grad():

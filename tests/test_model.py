@@ -1,5 +1,6 @@
 """The model against an independent reference, the head shifts, matched parameters, the cache."""
 
+import dataclasses
 import math
 
 import pytest
@@ -18,7 +19,7 @@ def reference_next_token_loss(state: dict, cfg: ModelConfig, idx: torch.Tensor) 
     explicit softmax attention, rotary embeddings via complex numbers, SwiGLU, RMSNorm.
     It reads the weights of an MTP model with K = 1 and shares no code with mtp.model."""
     B, T = idx.shape[0], idx.shape[1] - 1  # the last token is a target only
-    hd, H = cfg.d_model // cfg.n_heads, cfg.n_heads
+    hd, H = cfg.d_model // cfg.n_attn_heads, cfg.n_attn_heads
 
     def rms(x, w):
         return x / torch.sqrt((x * x).mean(-1, keepdim=True) + cfg.norm_eps) * w
@@ -53,7 +54,7 @@ def reference_next_token_loss(state: dict, cfg: ModelConfig, idx: torch.Tensor) 
 
 def test_k1_is_a_plain_next_token_transformer():
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=97, d_model=48, n_layers=3, n_heads=3, n_future=1,
+    cfg = ModelConfig(vocab_size=97, d_model=48, n_layers=3, n_attn_heads=3, n_future=1,
                       max_seq_len=64)
     model = MTPTransformer(cfg).double()
     window = torch.randint(0, cfg.vocab_size, (3, 21))
@@ -77,7 +78,7 @@ def test_each_head_learns_the_token_its_offset_ahead():
     torch.manual_seed(0)
     V, K = 16, 3
     perm = torch.randperm(V)
-    cfg = ModelConfig(vocab_size=V, d_model=32, n_layers=1, n_heads=2, n_future=K,
+    cfg = ModelConfig(vocab_size=V, d_model=32, n_layers=1, n_attn_heads=2, n_future=K,
                       max_seq_len=32)
     model = MTPTransformer(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -105,13 +106,13 @@ def test_each_head_learns_the_token_its_offset_ahead():
 @pytest.mark.parametrize("head_type", HEAD_TYPES)
 def test_kv_cache_matches_full_forward(head_type):
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+    cfg = ModelConfig(vocab_size=50, d_model=32, n_layers=2, n_attn_heads=4, n_attn_kv_heads=2,
                       n_future=3, head_type=head_type, max_seq_len=32)
     model = MTPTransformer(cfg).eval()
     idx = torch.randint(0, 50, (2, 12))
-    # chained heads read tokens ahead of the cached ones: decoding runs them (tests/
+    # cascaded heads read tokens ahead of the cached ones: decoding runs them (tests/
     # test_head_types.py); a cached forward of the model gives head 1 only
-    heads = 1 if model.chained else None
+    heads = 1 if model.cascaded else None
     full = model(idx, heads=heads)
     cache = KVCache(cfg, 2, 16)
     # a 5-token prefill, then one token at a time
@@ -126,7 +127,7 @@ def test_kv_cache_matches_full_forward(head_type):
 
 
 def test_kv_cache_compact_moves_accepted_entries():
-    cfg = ModelConfig(vocab_size=10, d_model=16, n_layers=1, n_heads=2, n_future=1,
+    cfg = ModelConfig(vocab_size=10, d_model=16, n_layers=1, n_attn_heads=2, n_future=1,
                       max_seq_len=16)
     cache = KVCache(cfg, 2, 8)
     cache.k.copy_(torch.arange(8.0).view(1, 1, 1, 8, 1).expand_as(cache.k))
@@ -138,22 +139,23 @@ def test_kv_cache_compact_moves_accepted_entries():
 @pytest.mark.parametrize("n_layers", [8, 12])
 def test_matched_params_keep_parameter_count_across_k(n_layers):
     counts = [MTPTransformer(ModelConfig(vocab_size=512, d_model=64, n_layers=n_layers,
-                                         n_heads=4, n_future=k, matched_params=True)).num_params()
+                                         n_attn_heads=4, n_future=k,
+                                         matched_params=True)).num_params()
               for k in (1, 2, 4, 8)]
     assert len(set(counts)) == 1, counts  # a head block has exactly a trunk block's parameters
     # and without the switch the heads add blocks
     plain = [MTPTransformer(ModelConfig(vocab_size=512, d_model=64, n_layers=n_layers,
-                                        n_heads=4, n_future=k)).num_params() for k in (1, 8)]
+                                        n_attn_heads=4, n_future=k)).num_params() for k in (1, 8)]
     assert plain[1] > 1.3 * plain[0]
 
 
 def test_deepseek_matched_params_differ_by_the_module_projections_only():
     d = 64
-    counts = {k: MTPTransformer(ModelConfig(vocab_size=512, d_model=d, n_layers=8, n_heads=4,
+    counts = {k: MTPTransformer(ModelConfig(vocab_size=512, d_model=d, n_layers=8, n_attn_heads=4,
                                             n_future=k, head_type="deepseek",
                                             matched_params=True)).num_params()
               for k in (1, 2, 4)}
-    block = MTPTransformer(ModelConfig(vocab_size=512, d_model=d, n_layers=8, n_heads=4,
+    block = MTPTransformer(ModelConfig(vocab_size=512, d_model=d, n_layers=8, n_attn_heads=4,
                                        n_future=1, matched_params=True)).num_params()
     assert counts[1] == block  # K = 1: the same model as block heads
     for k in (2, 4):  # each module adds its 2d x d projection and two norm gains
@@ -164,7 +166,7 @@ def test_deepseek_head_i_reads_the_token_at_offset_i():
     """Head i + 1 (0-based i) at position t is conditioned on tokens 0..t + i: changing token
     t + i changes it, changing a later one does not (teacher-forced forward)."""
     torch.manual_seed(0)
-    model = MTPTransformer(ModelConfig(vocab_size=50, d_model=32, n_layers=1, n_heads=2,
+    model = MTPTransformer(ModelConfig(vocab_size=50, d_model=32, n_layers=1, n_attn_heads=2,
                                        n_future=4, head_type="deepseek", max_seq_len=32)).eval()
     idx = torch.randint(0, 50, (1, 16))
     base = model(idx)  # (K, 1, T, V)
@@ -180,7 +182,7 @@ def test_deepseek_head_i_reads_the_token_at_offset_i():
 
 def test_medusa_heads_start_as_the_identity():
     torch.manual_seed(0)
-    model = MTPTransformer(ModelConfig(vocab_size=50, d_model=32, n_layers=1, n_heads=2,
+    model = MTPTransformer(ModelConfig(vocab_size=50, d_model=32, n_layers=1, n_attn_heads=2,
                                        n_future=3, head_type="medusa")).eval()
     logits = model(torch.randint(0, 50, (2, 7)))
     torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=0)
@@ -188,7 +190,7 @@ def test_medusa_heads_start_as_the_identity():
 
 
 def test_tied_embeddings_share_one_tensor():
-    model = MTPTransformer(ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2,
+    model = MTPTransformer(ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_attn_heads=2,
                                        tie_embeddings=True))
     assert model.unembed.weight is model.embed.weight
     assert model.num_params() == sum(p.numel() for p in model.parameters())
@@ -196,8 +198,9 @@ def test_tied_embeddings_share_one_tensor():
 
 @pytest.mark.parametrize("kwargs, flag", [
     ({"n_future": 0}, "--model.n_future must be >= 1 (got 0)"),
-    ({"d_model": 100, "n_heads": 3}, "--model.d_model (100) must be divisible by --model.n_heads"),
-    ({"n_heads": 4, "d_model": 256, "n_kv_heads": 3}, "--model.n_kv_heads (3)"),
+    ({"d_model": 100, "n_attn_heads": 3},
+     "--model.d_model (100) must be divisible by --model.n_attn_heads"),
+    ({"n_attn_heads": 4, "d_model": 256, "n_attn_kv_heads": 3}, "--model.n_attn_kv_heads (3)"),
     ({"matched_params": True, "n_layers": 2, "n_future": 4}, "--model.matched_params"),
     ({"head_type": "nonsense"},
      "--model.head_type must be one of block, linear, medusa, medusa1, deepseek (got 'nonsense')"),
@@ -216,11 +219,23 @@ def test_bad_model_configs_name_the_flag(kwargs, flag):
 
 def test_all_problems_reported_at_once():
     with pytest.raises(ConfigError) as err:
-        ModelConfig(n_future=0, d_model=100, n_heads=3)
+        ModelConfig(n_future=0, d_model=100, n_attn_heads=3)
     assert "--model.n_future" in str(err.value) and "--model.d_model" in str(err.value)
 
 
-def test_positions_past_context_window_are_rejected():
+def test_positions_past_the_context_length_are_rejected():
     model = MTPTransformer(ModelConfig.from_name("debug"))
     with pytest.raises(ValueError, match="max_seq_len"):
         model(torch.zeros(1, 65, dtype=torch.long))
+
+
+def test_the_old_attention_field_names_still_configure_the_model_with_a_message():
+    """`n_heads` and `n_kv_heads` were renamed `n_attn_heads` and `n_attn_kv_heads` (attention
+    heads, not output heads): the old names still set them, and say so."""
+    with pytest.warns(FutureWarning, match="--model.n_heads is deprecated: it is now "
+                                           "--model.n_attn_heads"):
+        old = ModelConfig(d_model=64, n_heads=4, n_kv_heads=2)
+    assert old == ModelConfig(d_model=64, n_attn_heads=4, n_attn_kv_heads=2)
+    assert "n_heads" not in dataclasses.asdict(old)  # stored configs carry the new names
+    with pytest.warns(FutureWarning):
+        assert dataclasses.replace(ModelConfig.from_name("debug"), n_heads=4).n_attn_heads == 4

@@ -63,7 +63,7 @@ def test_greedy_and_self_speculation_are_unchanged_by_packing():
     """Every decoder runs on the packed product; its output is greedy's, and greedy's is the
     unpacked model's on a random model (where ties in the argmax are improbable)."""
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=101, d_model=64, n_layers=3, n_heads=4, n_future=3,
+    cfg = ModelConfig(vocab_size=101, d_model=64, n_layers=3, n_attn_heads=4, n_future=3,
                       max_seq_len=96)
     model = MTPTransformer(cfg).eval()
     prompts = [[5, 9, 2, 7], [3, 1, 4, 1, 5, 9, 2]]

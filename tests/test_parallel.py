@@ -49,7 +49,7 @@ def _fsdp_worker(rank, world, state, inputs, targets, accumulate, out_path):
         torch.save({"grads": grads, "weights": full.state_dict()}, out_path)
 
 
-# deepseek: chained heads (and a head 1 with no parameters) through the sequential pass's
+# deepseek: cascaded heads (and a head 1 with no parameters) through the sequential pass's
 # backward sweep, each module gathered for its turn; medusa1: residual heads on the normalised
 # trunk output, which the heads share
 @pytest.mark.parametrize("head_type,accumulate", [("block", 1), ("deepseek", 2), ("medusa1", 1)])
@@ -58,7 +58,7 @@ def test_fsdp_gradients_equal_single_process_naive(tmp_path, head_type, accumula
     the naive pass over the whole batch on one process (fp32, 1e-5)."""
     torch.manual_seed(0)
     K, V, B, T = 4, 97, 4, 15
-    cfg = ModelConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=2, n_future=K,
+    cfg = ModelConfig(vocab_size=V, d_model=32, n_layers=2, n_attn_heads=2, n_future=K,
                       max_seq_len=32, head_type=head_type)
     model = MTPTransformer(cfg)
     inputs, targets = mtp_inputs_targets(torch.randint(0, V, (B, T + K)), K)

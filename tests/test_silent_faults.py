@@ -21,7 +21,8 @@ from mtp.train.module import MTPModule, TokenizerInCheckpoint
 from mtp.util.errors import InputError
 from mtp.util.yaml_file import read_yaml_mapping
 
-TINY = ModelConfig(vocab_size=300, d_model=16, n_layers=1, n_heads=2, n_future=2, max_seq_len=16)
+TINY = ModelConfig(vocab_size=300, d_model=16, n_layers=1, n_attn_heads=2, n_future=2,
+                   max_seq_len=16)
 
 
 def _corpus(root: Path, n: int = 12) -> Path:
@@ -210,7 +211,7 @@ def _tokenizer():
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:
-    """An untrained debug checkpoint with a 32-token context window."""
+    """An untrained debug checkpoint with a 32-token context length."""
     from mtp.model.checkpoint import save_checkpoint
     from mtp.model.transformer import MTPTransformer
 
@@ -328,7 +329,7 @@ def test_generate_says_when_the_context_window_stopped_it(ckpt, capsys):
     assert main(["generate", "--ckpt", str(ckpt), "--prompt", "def add(a, b):",
                  "--max-new-tokens", "100", "--compare", "none"]) == 0
     err = capsys.readouterr().err
-    assert "note: stopped at the context window (--model.max_seq_len 32): " in err
+    assert "note: stopped at the context length (--model.max_seq_len 32): " in err
     assert "of --max-new-tokens 100 new tokens" in err
 
 
@@ -343,14 +344,14 @@ def test_eval_says_how_many_prompts_were_cut_and_rows_stopped_at_the_window(ckpt
     assert len(texts) == 2
     # room for the prompt: max(32 - 20, 32 // 2) = 16 tokens; the long prompt is cut to them
     assert (completer.rows, completer.prompts_cut) == (2, 1)
-    assert completer.at_window == 1  # 16 + 20 > 32: stopped at the window, "x" was not
+    assert completer.at_context_end == 1  # 16 + 20 > 32: stopped at the context length, "x" was not
     from mtp.eval.cli import main as eval_main
 
     assert eval_main(["humaneval", "--ckpt", str(ckpt), "--limit", "1", "--max-new-tokens",
                       "20", "--output", str(tmp_path / "out")]) == 0
     err = capsys.readouterr().err
     assert "mtp eval: note: 1 of 1 completions continue a prompt cut to its last tokens, to " \
-           "fit the context window (--model.max_seq_len 32) with --max-new-tokens 20" in err
+           "fit the context length (--model.max_seq_len 32) with --max-new-tokens 20" in err
 
 
 # -- checkpoint digests --------------------------------------------------------------------------
@@ -429,7 +430,7 @@ def test_a_corrupted_training_checkpoint_is_refused_on_resume_and_load(tiny_corp
         _fit(tiny_corpus, tmp_path / "cache", 4, 2, ckpt_path=path)
     # `mtp fit --ckpt_path`: before any data is read
     flags = [f"--model.{k}={getattr(TINY, k)}" for k in ("vocab_size", "d_model", "n_layers",
-                                                         "n_heads", "n_future", "max_seq_len")]
+                                                         "n_attn_heads", "n_future", "max_seq_len")]
     assert main(["fit", *flags, "--data.seq_len", "8", "--ckpt_path", str(path),
                  "--data.cache_dir", "/nonexistent/cache"]) == 2
     assert f"--ckpt_path: checkpoint {path} is corrupted" in capsys.readouterr().err

@@ -33,7 +33,7 @@ def _reference(model: MTPTransformer, window: torch.Tensor) -> list[float]:
 @pytest.mark.parametrize("head_type, draft_vocab", [("block", 0), ("medusa", 0), ("linear", 40)])
 def test_parallel_heads_match_the_full_logits(head_type, draft_vocab):
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=97, d_model=48, n_layers=3, n_heads=4, n_future=4,
+    cfg = ModelConfig(vocab_size=97, d_model=48, n_layers=3, n_attn_heads=4, n_future=4,
                       max_seq_len=64, head_type=head_type, draft_vocab=draft_vocab)
     model = MTPTransformer(cfg).eval()
     for head in model.heads[1:]:  # copies of head 1: where greedy repeats a token they agree
@@ -52,11 +52,11 @@ def test_parallel_heads_match_the_full_logits(head_type, draft_vocab):
         assert got[0] > 0
 
 
-def test_chained_heads_read_the_greedy_tokens():
+def test_cascaded_heads_read_the_greedy_tokens():
     """On the model's own greedy text, teacher forcing with the data is teacher forcing with
-    the greedy tokens, so forward()'s logits are the reference for chained heads too."""
+    the greedy tokens, so forward()'s logits are the reference for cascaded heads too."""
     torch.manual_seed(1)
-    cfg = ModelConfig(vocab_size=97, d_model=48, n_layers=3, n_heads=4, n_future=3,
+    cfg = ModelConfig(vocab_size=97, d_model=48, n_layers=3, n_attn_heads=4, n_future=3,
                       max_seq_len=64, head_type="deepseek")
     model = MTPTransformer(cfg).eval()
     cont, _ = generate(model, [[5, 6, 7]], 24, decoder="greedy")
@@ -103,7 +103,7 @@ def test_bench_simulated_acceptance_counts_the_positions_rounds_draft_from():
     here the two L differ (prompts whose greedy text loops accept every draft, the others
     none), while each is exact."""
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=97, d_model=48, n_layers=3, n_heads=4, n_future=4,
+    cfg = ModelConfig(vocab_size=97, d_model=48, n_layers=3, n_attn_heads=4, n_future=4,
                       max_seq_len=64)
     model = MTPTransformer(cfg).eval()
     for head in model.heads[1:]:  # copies of head 1: where greedy repeats a token they agree

@@ -198,7 +198,7 @@ def test_learning_curves_are_probed_on_schedule_and_their_time_left_out():
 
     task = InductionTask()
     calls = []
-    cfg = ModelConfig(vocab_size=task.vocab_size, d_model=16, n_layers=1, n_heads=1,
+    cfg = ModelConfig(vocab_size=task.vocab_size, d_model=16, n_layers=1, n_attn_heads=1,
                       n_future=2, max_seq_len=24)
     trained = train_model(task, cfg, OptimConfig(lr=1e-3, warmup_steps=1), seq_len=16,
                           batch_size=2, steps=7, seed=0,

@@ -22,7 +22,8 @@ from mtp.train.cli import add_run_arguments, run_config
 from mtp.train.module import MTPModule, TokenizerInCheckpoint, lr_factor
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = ModelConfig(vocab_size=300, d_model=32, n_layers=1, n_heads=2, n_future=2, max_seq_len=32)
+TINY = ModelConfig(vocab_size=300, d_model=32, n_layers=1, n_attn_heads=2, n_future=2,
+                   max_seq_len=32)
 
 
 class Record(L.Callback):
@@ -284,7 +285,7 @@ def test_training_learns_far_below_unigram_entropy(tiny_corpus, tmp_path):
     from mtp.train.loss import mtp_loss
     from mtp.train.targets import mtp_inputs_targets
 
-    cfg = ModelConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=2, n_future=2,
+    cfg = ModelConfig(vocab_size=512, d_model=64, n_layers=2, n_attn_heads=2, n_future=2,
                       max_seq_len=64)
     for strategy in ("sequential", "naive"):
         L.seed_everything(0)
@@ -377,7 +378,8 @@ def test_stored_fit_help_is_what_lightning_cli_prints():
     assert proc.returncode == 0, proc.stderr
     for command, (stored, live) in json.loads(proc.stdout.splitlines()[-1]).items():
         assert stored is not None, f"mtp/train/fit_help/{command}.txt is missing or stale"
-        assert stored == live, f"`mtp {command} --help` changed: rerun `python -m mtp.train.fit_help`"
+        assert stored == live, (f"`mtp {command} --help` changed: rerun "
+                                "`python -m mtp.train.fit_help`")
         assert "--model.n_future" in stored and "--trainer.max_steps" in stored
 
 

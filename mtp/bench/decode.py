@@ -82,7 +82,7 @@ class _Config:
 class _Transformers:
     """transformers' `generate` on the weights of head 1: the `LlamaForCausalLM` of
     `mtp.model.llama_layout`, built in memory, decoding one prompt a call where mtp's decoders stop
-    (end-of-text, max new tokens, the context window, stop strings), with its forwards counted for
+    (end-of-text, max new tokens, the context length, stop strings), with its forwards counted for
     L."""
 
     def __init__(self, model, tokenizer, eot: int, stop: list[str], decode,
@@ -128,7 +128,7 @@ class _Transformers:
     def __call__(self, decoder: str, prompt: list[int], max_new_tokens: int
                  ) -> tuple[list[list[int]], DecodeStats]:
         """`decoder` (greedy or prompt-lookup) on one prompt: [new tokens] and what it did."""
-        # mtp ends a row whose sequence fills the context window; so does this.
+        # mtp ends a row whose sequence fills the context length; so does this.
         n = min(max_new_tokens, self.window - len(prompt))
         ids = torch.tensor([prompt], device=self.device)
         self.forwards, self.prompt_len = 0, len(prompt)
@@ -366,13 +366,13 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     k = model.cfg.n_future
     heads = args.heads or list(range(2, k + 1))
     prompts, follows = prompt_ids(p, args, model, tokenizer)
-    # Keep room for the new tokens in the context window: longer prompts keep their last tokens
+    # Keep room for the new tokens in the context length: longer prompts keep their last tokens
     # (the continuation depends on the end of the prompt most).
     room = max(model.cfg.max_seq_len - args.max_new_tokens, model.cfg.max_seq_len // 2)
     cut = sum(len(x) > room for x in prompts)
     if cut:
         print(f"note: {cut} of {len(prompts)} prompts keep only their last {room} tokens "
-              f"(context window {model.cfg.max_seq_len}, {args.max_new_tokens} new tokens)",
+              f"(context length {model.cfg.max_seq_len}, {args.max_new_tokens} new tokens)",
               file=sys.stderr)
     prompts = [x[-room:] for x in prompts]
     configs = _configs(args, decoders, heads, tree)

@@ -75,7 +75,7 @@ def _loss_step(spec: dict, N: int, V: int, mesh=None) -> Callable[[], None]:
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[spec["dtype"]]
     torch.manual_seed(0)
     K, d, T = spec["K"], spec["d"], min(spec["T"], N)
-    cfg = ModelConfig(vocab_size=V, d_model=d, n_layers=1, n_heads=max(1, d // 64),
+    cfg = ModelConfig(vocab_size=V, d_model=d, n_layers=1, n_attn_heads=max(1, d // 64),
                       n_future=K, max_seq_len=T, head_type=spec.get("head_type", "block"))
     model = MTPTransformer(cfg).to(device)
     if mesh is not None:

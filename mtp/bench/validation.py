@@ -36,7 +36,7 @@ def validation_windows(p, args, model, tokenizer, given: str) -> list[list[int]]
     lengths = f"--prompt-tokens {n}{'' if args.prompt_tokens else ' (the default)'} + " \
               f"--max-new-tokens {new}"
     if n + new > window:
-        p.error(f"{lengths} exceed the context window of --ckpt (--model.max_seq_len "
+        p.error(f"{lengths} exceed the context length of --ckpt (--model.max_seq_len "
                 f"{window})")
     data, where = validation_data(p, args.ckpt, given)
     try:

@@ -85,7 +85,7 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     if not path.is_file():
         raise MissingInput(f"--data.tokenizer {path} does not exist")
     if path.suffix.lower() == ".gguf":
-        from mtp.interop import gguf
+        from mtp.model import gguf
 
         return gguf.read_tokenizer(path)
     try:

@@ -4,7 +4,7 @@ speculation.
 `generate` validates a request (`request`: every rule once, each problem naming its field) and
 runs the one decode loop (`engine`) with one drafter (`drafters`): plain decoding proposes
 nothing; `self-spec` and `tree` draft with heads 2..h (parallel heads run as one stacked block,
-`stacked`; chained heads, each reading the one before, run on their own drafts, `chained`);
+`stacked`; cascaded heads, each reading the one before, run on their own drafts, `cascaded`);
 `draft` with a separate model; `lookup` copies drafts from the text so far (prompt lookup,
 `lookup`), alone or as one more branch beside the heads' drafts. The acceptance rules
 (`acceptance`) are exact: speculative greedy output is plain greedy output token for token, and

@@ -260,9 +260,9 @@ def generate_main(argv: list[str]) -> int:
     stream.finish(out[0])
     if stream.legend():
         print(stream.legend())
-    window = request.window(model, draft)
-    if len(out[0]) < args.max_new_tokens and len(ids) + len(out[0]) >= window:
-        print(f"note: stopped at the context window (--model.max_seq_len {window}): "
+    context_len = request.context_len(model, draft)
+    if len(out[0]) < args.max_new_tokens and len(ids) + len(out[0]) >= context_len:
+        print(f"note: stopped at the context length (--model.max_seq_len {context_len}): "
               f"{len(out[0])} of --max-new-tokens {args.max_new_tokens} new tokens after "
               f"{len(ids)} of the prompt", file=sys.stderr)
     print(f"[{args.decoder}] {summary(stats)}")

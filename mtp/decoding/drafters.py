@@ -13,7 +13,7 @@ round) and `keep` (rows leave the batch).
 - `Oracle`: drafts the tokens greedy will emit; an upper bound that measures the loop's cost
   independently of how good the heads are.
 
-Chained heads, each reading the one before, draft with `mtp.decoding.chained.ChainedHeads`.
+Cascaded heads, each reading the one before, draft with `mtp.decoding.cascaded.CascadedHeads`.
 
 Heads 2..h run only on the tokens a round committed, after acceptance: their caches then only
 ever hold the committed sequence, and a tree forward does not pay the draft heads for its

@@ -61,13 +61,13 @@ class Context:
     timer: Timer
     stats: DecodeStats
     generator: torch.Generator | None
-    window: int  # positions available: max_seq_len (of the target and the draft model)
+    context_len: int  # positions a sequence may fill: max_seq_len (of target and draft model)
     rows: list[int]  # the prompt index of each live batch row
 
     def room(self, most: int) -> int:
-        """Drafts a round may verify: at most `most`, no position past the context window, and
+        """Drafts a round may verify: at most `most`, no position past the context length, and
         no more than the longest row can still use (the round adds one token of its own)."""
-        room = self.window - 1 - int(self.cache.lengths.max())  # pending sits at lengths[b]
+        room = self.context_len - 1 - int(self.cache.lengths.max())  # pending sits at lengths[b]
         need = max(self.stopper.remaining(r) for r in self.rows) - 1
         return max(0, min(most, room, need))
 
@@ -224,8 +224,8 @@ def _emit(ctx: Context, emitted: list[list[int]], drafted: list[int]) -> torch.T
     ):
         n, done = ctx.stopper.extend(row, toks, n_drafted)
         kept.append(n)
-        # A row whose sequence fills the context window (cache + pending token) also ends.
-        if not done and n_cached + 1 < ctx.window:
+        # A row whose sequence fills the context length (cache + pending token) also ends.
+        if not done and n_cached + 1 < ctx.context_len:
             alive.append(i)
     ctx.stats.count(kept)
     if len(alive) == len(ctx.rows):

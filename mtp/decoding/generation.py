@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from mtp.decoding.chained import ChainedHeads
+from mtp.decoding.cascaded import CascadedHeads
 from mtp.decoding.drafters import (
     Drafter,
     DraftModel,
@@ -115,7 +115,7 @@ def generate(
     request.check(model, draft_model, prompts=prompts, reference=reference, stop=stop,
                   decode=decode, measuring=True)
     heads = model.cfg.n_future if heads is None else heads
-    window = request.window(model, draft_model)
+    context_len = request.context_len(model, draft_model)
     longest = max(len(p) for p in prompts)
 
     stats = DecodeStats()
@@ -131,18 +131,18 @@ def generate(
         drafter = ParallelHeadsTree(model, heads, Tree.from_widths([1] * (heads - 1)),
                                     Lookup(lookup, lookup_ngram))
     elif decoder == "self-spec":
-        drafter = ChainedHeads(model, heads) if model.chained else ParallelHeads(model, heads)
+        drafter = CascadedHeads(model, heads) if model.cascaded else ParallelHeads(model, heads)
     elif decoder == "tree":
         tree = tree or Tree.from_widths([3, 2] + [1] * max(0, model.cfg.n_future - 3))
-        drafter = ChainedHeads(model, heads, tree) if model.chained else \
+        drafter = CascadedHeads(model, heads, tree) if model.cascaded else \
             ParallelHeadsTree(model, heads, tree, Lookup(lookup, lookup_ngram) if lookup else None)
     elif decoder == "draft":
         drafter = DraftModel(draft_model, gamma)
     else:
         drafter = Oracle(reference, gamma)
-    # Room for every position of the window plus the slots a round writes past the last one.
+    # Room for every position of the context plus the slots a round writes past the last one.
     extra = drafter.slots_needed
-    max_len = min(window, longest + max_new_tokens) + extra
+    max_len = min(context_len, longest + max_new_tokens) + extra
     device = next(model.parameters()).device
     ctx = Context(
         model=model,
@@ -152,7 +152,7 @@ def generate(
         timer=Timer(stats, device),
         stats=stats,
         generator=generator,
-        window=window,
+        context_len=context_len,
         rows=list(range(len(prompts))),
     )
     if isinstance(adaptive, Adaptive):

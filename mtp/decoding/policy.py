@@ -10,7 +10,7 @@ __all__ = ["Adaptive", "Fixed"]
 
 
 class Fixed:
-    """Every round verifies the drafter's most drafts, cut only near the end of the window or of
+    """Every round verifies the drafter's most drafts, cut only near the end of the context or of
     the longest row."""
 
     def choose(self, ctx: Context, most: int) -> int:

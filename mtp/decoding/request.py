@@ -125,13 +125,13 @@ class DecodeRequest:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                 if f.name != "max_new_tokens"}
 
-    def window(self, model: MTPTransformer, draft_model: MTPTransformer | None = None) -> int:
-        """Positions a sequence may fill: the context window of the model (and of the draft
+    def context_len(self, model: MTPTransformer, draft_model: MTPTransformer | None = None) -> int:
+        """Positions a sequence may fill: the context length of the model (and of the draft
         model, for `draft`)."""
-        window = model.cfg.max_seq_len
+        n = model.cfg.max_seq_len
         if self.decoder == "draft" and draft_model is not None:
-            window = min(window, draft_model.cfg.max_seq_len)
-        return window
+            n = min(n, draft_model.cfg.max_seq_len)
+        return n
 
     def problems(
         self,
@@ -199,8 +199,8 @@ class DecodeRequest:
             elif self.heads is not None and not 1 <= self.heads <= k:
                 bad("heads", "{heads} must lie in [1, {k}]: {model} has {k} heads (got {got})",
                     k=k, got=self.heads)
-            if self.lookup > 0 and d in HEAD_DECODERS and model.chained:
-                bad("lookup", "{lookup} beside chained heads (--model.head_type {head_type}) is "
+            if self.lookup > 0 and d in HEAD_DECODERS and model.cascaded:
+                bad("lookup", "{lookup} beside cascaded heads (--model.head_type {head_type}) is "
                     "not supported; use parallel heads or {decoder} lookup",
                     head_type=cfg.head_type)
             if d == "tree" and self.tree is not None and self.tree.depth:
@@ -228,11 +228,11 @@ class DecodeRequest:
             elif any(len(p) == 0 for p in prompts):
                 bad("prompts", "{prompts} is empty")
             elif model is not None:
-                longest, window = max(map(len, prompts)), self.window(model, draft_model)
-                if longest >= window:
-                    bad("prompts", "{prompts} has {n} tokens but the context window "
+                longest, limit = max(map(len, prompts)), self.context_len(model, draft_model)
+                if longest >= limit:
+                    bad("prompts", "{prompts} has {n} tokens but the context length "
                         "(--model.max_seq_len) is {w}: no room for new tokens", n=longest,
-                        w=window)
+                        w=limit)
             if d == "oracle" and (reference is None or len(reference) != len(prompts)):
                 bad("reference", "{decoder} oracle needs {reference}: a continuation for every "
                     "prompt")

@@ -159,7 +159,7 @@ def head_accuracy(
     Feed the model's own greedy continuations to get the accuracies greedy tree decoding sees.
 
     Args:
-        sequences: token sequences (each within the context window).
+        sequences: token sequences (each within the context length).
         start: count only predictions of tokens at index >= start[i] (e.g. the prompt length).
         max_rank: ranks 0..max_rank-1 are counted.
 

@@ -1,7 +1,7 @@
 """`--model.init_from`: a pretrained model of the Llama family as the trunk and head 1.
 
 A local transformers checkpoint directory (Llama, Mistral, Qwen2), or a Llama `.gguf` file
-(`mtp.interop.gguf`), or ``package:PKG/FILE`` for such a file shipped inside an installed
+(`mtp.model.gguf`), or ``package:PKG/FILE`` for such a file shipped inside an installed
 package. `pretrained_config` reads its shape into a `ModelConfig`, refusing by name what mtp's
 blocks cannot reproduce exactly; `init_from_pretrained` loads its weights (`mtp.model.
 llama_layout`) and starts heads 2..K where each head type starts from a pretrained model.
@@ -18,7 +18,7 @@ import torch
 from tokenizers import Tokenizer
 
 from mtp.config import ModelConfig
-from mtp.interop import gguf
+from mtp.model import gguf
 from mtp.model.llama_layout import layer_from_llama
 from mtp.model.transformer import MTPTransformer
 from mtp.util.errors import ExportError
@@ -60,8 +60,8 @@ def pretrained_config(path: str | os.PathLike, cfg: ModelConfig) -> ModelConfig:
         problems.append("mlp_bias")
     if kind != "qwen2" and hf.get("attention_bias"):
         problems.append("attention_bias (an output-projection bias)")
-    n_heads, d = hf["num_attention_heads"], hf["hidden_size"]
-    if hf.get("head_dim") not in (None, d // n_heads):
+    n_attn_heads, d = hf["num_attention_heads"], hf["hidden_size"]
+    if hf.get("head_dim") not in (None, d // n_attn_heads):
         problems.append(f"head_dim {hf['head_dim']} (not hidden_size / num_attention_heads)")
     window = hf.get("sliding_window") if hf.get("use_sliding_window", kind == "mistral") else None
     if window is not None and window < cfg.max_seq_len:
@@ -83,8 +83,9 @@ def pretrained_config(path: str | os.PathLike, cfg: ModelConfig) -> ModelConfig:
     # (ModelConfig.n_trunk_layers), `medusa`, `medusa1` and `linear` heads hold none
     in_head = cfg.head_type in ("block", "deepseek")
     return dataclasses.replace(
-        cfg, vocab_size=hf["vocab_size"], d_model=d, n_layers=n_layers - in_head, n_heads=n_heads,
-        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+        cfg, vocab_size=hf["vocab_size"], d_model=d, n_layers=n_layers - in_head,
+        n_attn_heads=n_attn_heads,
+        n_attn_kv_heads=hf.get("num_key_value_heads") or n_attn_heads,
         ffn_hidden=hf["intermediate_size"], rope_theta=float(theta),
         norm_eps=hf.get("rms_norm_eps", 1e-6), tie_embeddings=bool(hf.get(
             "tie_word_embeddings", False)), attn_bias=kind == "qwen2",

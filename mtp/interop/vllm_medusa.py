@@ -54,7 +54,7 @@ _WHY_NOT = {
     "medusa": "its residual blocks read the trunk output before the final norm and the shared "
               "norm follows them, and a vLLM Medusa head reads the target model's normalised "
               "state with no norm after it",
-    "deepseek": "heads 2..K are chained modules that read the previous head's output and the "
+    "deepseek": "heads 2..K are cascaded modules that read the previous head's output and the "
                 "embedding of the drafted token (vLLM serves that design as method mtp, not "
                 "medusa)",
 }

@@ -17,12 +17,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import warnings
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
 
-from mtp.config import ModelConfig
+from mtp.config import RENAMED_MODEL_FIELDS, ModelConfig, current_model_fields
 from mtp.model.llama_layout import check_llama_layout, layer_from_llama, llama_layers
 from mtp.model.transformer import MTPTransformer
 from mtp.model.vocab import check_vocab
@@ -42,6 +43,17 @@ FORMAT_VERSION = 1
 def mtp_metadata(cfg: ModelConfig, tokenizer: Tokenizer) -> dict:
     """The `mtp` entry of a checkpoint (without the digests of its tensors)."""
     return {"model_config": dataclasses.asdict(cfg), "tokenizer": tokenizer.to_str()}
+
+
+def stored_model_config(stored: dict, source: str) -> ModelConfig:
+    """The model config a checkpoint or export stores, read under today's field names (one
+    written before a rename loads, with a message naming the file and the renamed fields)."""
+    renamed = sorted(RENAMED_MODEL_FIELDS.keys() & stored.keys())
+    if renamed:
+        warnings.warn(f"{source} stores its model config under old names ({', '.join(renamed)}): "
+                      f"read as {', '.join(RENAMED_MODEL_FIELDS[k] for k in renamed)}",
+                      FutureWarning, stacklevel=3)
+    return ModelConfig(**current_model_fields(stored))
 
 
 def check_tensor_digests(ckpt: dict, path: str | os.PathLike) -> None:
@@ -108,7 +120,7 @@ def load_checkpoint(
             raise InputError(str(err)) from None
         return model.to(device), tokenizer
     ckpt = read_checkpoint(path)
-    cfg = ModelConfig(**ckpt["mtp"]["model_config"])
+    cfg = stored_model_config(ckpt["mtp"]["model_config"], f"checkpoint {path}")
     tokenizer = Tokenizer.from_str(ckpt["mtp"]["tokenizer"])
     model = MTPTransformer(cfg)
     state = {k[len(STATE_PREFIX):]: v for k, v in ckpt["state_dict"].items()
@@ -121,7 +133,7 @@ def load_checkpoint(
 
 def check_checkpoint_config(checkpoint: dict, model_cfg: ModelConfig) -> None:
     """Raise if a checkpoint was trained with another model config, naming each flag."""
-    saved_cfg = checkpoint.get("mtp", {}).get("model_config", {})
+    saved_cfg = current_model_fields(checkpoint.get("mtp", {}).get("model_config", {}))
     ours = dataclasses.asdict(model_cfg)
     differ = [f"--model.{k} (checkpoint {saved_cfg[k]!r}, now {ours[k]!r})"
               for k in ours if k in saved_cfg and saved_cfg[k] != ours[k]]
@@ -152,7 +164,8 @@ def load_export(path: str | os.PathLike) -> tuple[MTPTransformer, Tokenizer]:
     try:
         meta = json.loads((path / MTP_CONFIG).read_text())
         version = meta.get("format_version")
-        cfg = ModelConfig(**meta["model_config"]) if version == FORMAT_VERSION else None
+        cfg = stored_model_config(meta["model_config"], str(path / MTP_CONFIG)) \
+            if version == FORMAT_VERSION else None
     except (ValueError, TypeError, KeyError, AttributeError) as err:  # a ConfigError included
         raise ExportError(f"{path / MTP_CONFIG} does not hold an mtp model config: "
                           f"{type(err).__name__}: {err}") from None

@@ -20,10 +20,10 @@ positions ahead):
   token t + i - 1, the token head i - 1 predicts. It RMS-normalises each, concatenates them,
   projects 2d -> d and runs one transformer block. The embedding is the trunk's own. Training
   feeds the true tokens (teacher forcing); drafting feeds each head the token drafted by the one
-  before (`mtp.decoding.chained`).
+  before (`mtp.decoding.cascaded`).
 
 Parallel heads are called as head(h, cos, sin, kv, slots, mask) (`PRE_NORM` types: norm(h)),
-chained ones as head(x, emb, cos, sin, kv, slots, mask): x is head i - 1's output, emb the
+cascaded ones as head(x, emb, cos, sin, kv, slots, mask): x is head i - 1's output, emb the
 embedded tokens.
 """
 
@@ -36,12 +36,12 @@ from mtp.config import HEAD_TYPES, ModelConfig
 from mtp.model.layers import Block, RMSNorm
 
 __all__ = [
-    "CHAINED", "DeepSeekModule", "HEAD_TYPES", "LinearHead", "MainOutput", "MedusaHead",
+    "CASCADED", "DeepSeekModule", "HEAD_TYPES", "LinearHead", "MainOutput", "MedusaHead",
     "PRE_NORM", "build_heads", "head_cache_layers",
 ]
 
 #: Head types whose head i reads head i - 1's output and the token it predicts.
-CHAINED = ("deepseek",)
+CASCADED = ("deepseek",)
 #: Head types that read the trunk output after the shared norm, their outputs the normalised
 #: hidden states themselves (no norm after the head).
 PRE_NORM = ("medusa1",)

@@ -37,7 +37,7 @@ def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     4096 are off by ~2e-4 rad, and an fp64 model (used by the exactness tests) stays exact.
     """
     inv_freq = 1.0 / cfg.rope_theta ** (
-        torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
+        torch.arange(0, cfg.attn_head_dim, 2, dtype=torch.float64) / cfg.attn_head_dim)
     angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float64), inv_freq)
     return angles.cos(), angles.sin()
 
@@ -52,9 +52,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.kv_heads, cfg.head_dim
-        self.qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.kv_heads) * cfg.head_dim,
-                             bias=cfg.attn_bias)
+        self.n_q, self.n_kv, self.hd = cfg.n_attn_heads, cfg.attn_kv_heads, cfg.attn_head_dim
+        self.qkv = nn.Linear(cfg.d_model, (self.n_q + 2 * self.n_kv) * self.hd, bias=cfg.attn_bias)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
 
     def forward(
@@ -69,7 +68,7 @@ class Attention(nn.Module):
         # Leading dimensions "..." are (B,) for one block and (J, B) for J stacked blocks
         # (`stack_blocks`), which run the same code with one weight per block.
         q, k, v = rearrange(self.qkv(x), "... t (h hd) -> ... h t hd", hd=self.hd).split(
-            [self.n_heads, self.n_kv, self.n_kv], dim=-3
+            [self.n_q, self.n_kv, self.n_kv], dim=-3
         )  # (..., H, T, hd), (..., Hkv, T, hd) x 2
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv is not None:
@@ -82,7 +81,7 @@ class Attention(nn.Module):
             s = mask.shape[-1]
             k, v = k_cache[..., :s, :].to(q.dtype), v_cache[..., :s, :].to(q.dtype)
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.n_kv != self.n_heads
+            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.n_kv != self.n_q
         )  # (..., H, T, hd)
         return self.proj(rearrange(out, "... h t hd -> ... t (h hd)"))
 

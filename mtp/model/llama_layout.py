@@ -21,17 +21,17 @@ __all__ = ["check_llama_layout", "layer_from_llama", "llama_config", "llama_laye
            "llama_state"]
 
 
-def _rope_order(head_dim: int) -> torch.Tensor:
+def _rope_order(attn_head_dim: int) -> torch.Tensor:
     """Llama's channel j of a head is mtp's channel `order[j]` (evens, then odds)."""
-    return torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)])
+    return torch.cat([torch.arange(0, attn_head_dim, 2), torch.arange(1, attn_head_dim, 2)])
 
-def _to_llama_rows(w: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
+def _to_llama_rows(w: torch.Tensor, n_attn_heads: int, attn_head_dim: int) -> torch.Tensor:
     """Reorder the output rows of a query or key projection from mtp's rotary layout."""
-    return w.view(n_heads, head_dim, -1)[:, _rope_order(head_dim)].reshape(w.shape)
+    return w.view(n_attn_heads, attn_head_dim, -1)[:, _rope_order(attn_head_dim)].reshape(w.shape)
 
-def _from_llama_rows(w: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
-    inverse = torch.argsort(_rope_order(head_dim))
-    return w.view(n_heads, head_dim, -1)[:, inverse].reshape(w.shape)
+def _from_llama_rows(w: torch.Tensor, n_attn_heads: int, attn_head_dim: int) -> torch.Tensor:
+    inverse = torch.argsort(_rope_order(attn_head_dim))
+    return w.view(n_attn_heads, attn_head_dim, -1)[:, inverse].reshape(w.shape)
 
 def check_llama_layout(cfg: ModelConfig) -> None:
     if cfg.head_type not in ("block", "medusa1"):
@@ -54,7 +54,7 @@ def llama_config(cfg: ModelConfig, tokenizer: Tokenizer, dtype: torch.dtype) -> 
     # biases on the query, key and value projections only.
     arch, kind = ("Qwen2ForCausalLM", "qwen2") if cfg.attn_bias else ("LlamaForCausalLM", "llama")
     extra = {"use_sliding_window": False, "sliding_window": None} if cfg.attn_bias else {
-        "attention_bias": False, "mlp_bias": False, "head_dim": cfg.head_dim}
+        "attention_bias": False, "mlp_bias": False, "head_dim": cfg.attn_head_dim}
     return {
         "architectures": [arch],
         "model_type": kind,
@@ -62,8 +62,8 @@ def llama_config(cfg: ModelConfig, tokenizer: Tokenizer, dtype: torch.dtype) -> 
         "hidden_size": cfg.d_model,
         "intermediate_size": cfg.ffn_dim,
         "num_hidden_layers": llama_layers(cfg),
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.kv_heads,
+        "num_attention_heads": cfg.n_attn_heads,
+        "num_key_value_heads": cfg.attn_kv_heads,
         "hidden_act": "silu",
         "max_position_embeddings": cfg.max_seq_len,
         "rms_norm_eps": cfg.norm_eps,
@@ -80,7 +80,7 @@ def llama_config(cfg: ModelConfig, tokenizer: Tokenizer, dtype: torch.dtype) -> 
     }
 
 def _layer_to_llama(block: torch.nn.Module, cfg: ModelConfig, prefix: str) -> dict:
-    hd, h, hkv = cfg.head_dim, cfg.n_heads, cfg.kv_heads
+    hd, h, hkv = cfg.attn_head_dim, cfg.n_attn_heads, cfg.attn_kv_heads
     q, k, v = block.attn.qkv.weight.detach().split([h * hd, hkv * hd, hkv * hd])
     gate, up = block.mlp.gate_up.weight.detach().chunk(2)
     biases = {}
@@ -116,7 +116,7 @@ def llama_state(model: MTPTransformer) -> dict[str, torch.Tensor]:
     return {k: v.contiguous() for k, v in state.items()}
 
 def layer_from_llama(state: dict, cfg: ModelConfig, prefix: str) -> dict:
-    hd, h, hkv = cfg.head_dim, cfg.n_heads, cfg.kv_heads
+    hd, h, hkv = cfg.attn_head_dim, cfg.n_attn_heads, cfg.attn_kv_heads
 
     def get(name: str) -> torch.Tensor:
         try:

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from mtp.config import ModelConfig
-from mtp.model.heads import CHAINED, PRE_NORM, build_heads, head_cache_layers
+from mtp.model.heads import CASCADED, PRE_NORM, build_heads, head_cache_layers
 from mtp.model.layers import Attention, Block, RMSNorm, rope_tables
 
 T_out = TypeVar("T_out")
@@ -52,7 +52,7 @@ class KVCache:
     ) -> None:
         n_layers = cfg.n_trunk_layers + sum(x is not None for x in head_cache_layers(cfg))
         self.max_len = max_len or cfg.max_seq_len
-        shape = (n_layers, batch_size, cfg.kv_heads, self.max_len, cfg.head_dim)
+        shape = (n_layers, batch_size, cfg.attn_kv_heads, self.max_len, cfg.attn_head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)  # (L, B, Hkv, S, hd)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)  # (B,)
@@ -95,8 +95,8 @@ class MTPTransformer(nn.Module):
       state); for callers that run a head on its own: in `mtp.train.loss`,
       `sequential_mtp_loss` (one head at a time, an FSDP head gathered) and
       `greedy_predictions`; `mtp.train.frozen_trunk.heads_loss`; in `mtp.decoding`, head 1 of every
-      forward and the chained-heads drafter, which feeds each output to the next head.
-    - `head_states`: every head's normalised hidden state (B, T, d) in turn, chained heads fed
+      forward and the cascaded-heads drafter, which feeds each output to the next head.
+    - `head_states`: every head's normalised hidden state (B, T, d) in turn, cascaded heads fed
       on one another; the logits of `forward`, `naive_mtp_loss`, `head_metrics` and
       `simulated_acceptance`.
 
@@ -110,7 +110,7 @@ class MTPTransformer(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_trunk_layers))
         self.heads = build_heads(cfg)
-        self.chained = cfg.head_type in CHAINED  # head i reads head i - 1's output
+        self.cascaded = cfg.head_type in CASCADED  # head i reads head i - 1's output
         self.pre_norm = cfg.head_type in PRE_NORM  # the shared norm before the heads, not after
         self.head_layers = head_cache_layers(cfg)
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
@@ -205,9 +205,9 @@ class MTPTransformer(nn.Module):
         turns into its normalised hidden state.
 
         Args:
-            x: the trunk output h (B, T, d), which the head reads as `head_input(x)`; for chained
+            x: the trunk output h (B, T, d), which the head reads as `head_input(x)`; for cascaded
                 heads (`deepseek`), head i - 1's output (h for head 0).
-            tokens: chained heads from i = 1 on: the ids (B, T) of the token at offset i, the one
+            tokens: cascaded heads from i = 1 on: the ids (B, T) of the token at offset i, the one
                 head i - 1 predicts (the data's when training, a draft when drafting).
             run: the head's callable (default the head module; the sequential loss passes the
                 forward of an FSDP-gathered head).
@@ -215,7 +215,7 @@ class MTPTransformer(nn.Module):
         run = run or self.heads[i]
         layer = self.head_layers[i]
         kv = None if cache is None or layer is None else (cache.k[layer], cache.v[layer])
-        if self.chained and i > 0:
+        if self.cascaded and i > 0:
             if tokens is None:
                 raise ValueError(f"head {i + 1} of a {self.cfg.head_type} model reads the token "
                                  f"at offset {i}: pass `tokens`")
@@ -272,12 +272,12 @@ class MTPTransformer(nn.Module):
         mask: torch.Tensor | None = None,
     ) -> Iterator[torch.Tensor]:
         """Normalised hidden states (B, T, d) of heads 0..heads-1 in order, from the trunk output
-        h (B, T, d); chained heads read one another and head i reads tokens[i - 1], e.g. the
+        h (B, T, d); cascaded heads read one another and head i reads tokens[i - 1], e.g. the
         targets (K, B, T) of `mtp.train.targets.mtp_inputs_targets`. `cache`, `slots` and `mask` are
         `head_output`'s."""
         x = h
         for i in range(self.cfg.n_future if heads is None else heads):
-            out = self.head_output(i, x if self.chained else h, rope,
+            out = self.head_output(i, x if self.cascaded else h, rope,
                                    tokens=None if tokens is None or i == 0 else tokens[i - 1],
                                    cache=cache, slots=slots, mask=mask)
             x = out
@@ -298,10 +298,10 @@ class MTPTransformer(nn.Module):
         vocabulary, heads 2..K's are -inf outside it (`draft_logits`). `positions`, `cache`,
         `slots` and `mask` are `trunk`'s, and reach the heads' cache layers too.
 
-        Chained heads (`deepseek`) read the input itself: head i at position t reads token
+        Cascaded heads (`deepseek`) read the input itself: head i at position t reads token
         t + i of idx, teacher-forced; where that lies past idx (the last i positions) it reads
         idx's last token, so those logits of heads 2..K are placeholders. A cached forward of
-        chained heads gives head 1 only (`mtp.decoding` drafts with the others).
+        cascaded heads gives head 1 only (`mtp.decoding` drafts with the others).
 
         With `heads_fn`, return `heads_fn(h, rope)` of the trunk output h (B, T, d) instead of
         logits (`heads` is then unused): the losses and metrics of `mtp.train.loss` run the heads
@@ -315,9 +315,9 @@ class MTPTransformer(nn.Module):
         if heads_fn is not None:
             return heads_fn(h, rope)
         tokens = None
-        if self.chained and heads > 1:
+        if self.cascaded and heads > 1:
             if cache is not None:
-                raise ValueError("a cached forward of chained heads needs each head's own "
+                raise ValueError("a cached forward of cascaded heads needs each head's own "
                                  "tokens: decode through mtp.decoding")
             # tokens[i - 1][:, t] = idx[:, t + i], clamped at the end
             t = torch.arange(idx.shape[1], device=idx.device)

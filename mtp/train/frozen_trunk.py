@@ -46,7 +46,7 @@ class FrozenTrunk:
         h, rope = model.trunk(window[:, :-1])  # (B, T + K - 1, d)
         preds = greedy_predictions(model, h, rope)  # (B, T + K - 1)
         return h[:, :T], targets_from_predictions(window, preds, K,
-                                                  chain=self.targets == "greedy")
+                                                  on_greedy_path=self.targets == "greedy")
 
     def __call__(self, window: torch.Tensor) -> tuple[torch.Tensor, Rope, torch.Tensor]:
         """h (B, T, d), the rotary tables of its positions and targets (K, B, T) of the windows

@@ -156,7 +156,7 @@ def _sequential(model: MTPTransformer, h: torch.Tensor, rope: Rope, targets: tor
                            "forward and needs grad mode; without gradients, use the `metrics` "
                            "path")
     params = [*model.heads.parameters(), model.norm.weight, model.unembed.weight]
-    if model.chained:  # the heads embed the tokens they read with the trunk's embedding
+    if model.cascaded:  # the heads embed the tokens they read with the trunk's embedding
         params.append(model.embed.weight)
     params = list({id(p): p for p in params}.values())  # a tied or shared tensor once
     loss, head_losses, head_accs = _SequentialHeads.apply(model, rope, targets, weights,
@@ -197,7 +197,7 @@ class _SequentialHeads(torch.autograd.Function):
             shared = [p for p in params if not _in_any_head(p, model)]
             grads = dict.fromkeys(params)  # summed over heads, in place
             grads[W] = torch.zeros_like(W, dtype=torch.promote_types(W.dtype, torch.float32))
-            run = _chained_heads if model.chained else _parallel_heads
+            run = _cascaded_heads if model.cascaded else _parallel_heads
             dh, head_losses, head_accs = run(model, rope, targets, weights, with_accuracy,
                                              fwd_bwd, h_leaf, shared, grads)
         grads[W] = grads[W].to(W.dtype)
@@ -243,8 +243,8 @@ def _head_step(model, i, run_head, x, rope, targets, weights, fwd_bwd, with_accu
     if Wi is not W:
         grads[W].index_add_(0, model.draft_ids, gWi)
     acc = top1_accuracy(z.detach().flatten(0, 1), Wi, t) if with_accuracy else None
-    # A chained head's embedding lookup of a tied W: its gradient joins W's buffer.
-    embed_W = model.chained and i > 0 and model.embed.weight is W and W.requires_grad
+    # A cascaded head's embedding lookup of a tied W: its gradient joins W's buffer.
+    embed_W = model.cascaded and i > 0 and model.embed.weight is W and W.requires_grad
     wrt = [p for p in wrt if p.requires_grad and p is not W] + ([W] if embed_W else [])
     outs, g = ([z, out], [dz.view_as(z), g_out]) if g_out is not None else ([z], [dz.view_as(z)])
     got = dict(zip(map(id, wrt), torch.autograd.grad(outs, wrt, grad_outputs=g,
@@ -283,9 +283,9 @@ def _parallel_heads(model, rope, targets, weights, with_accuracy, fwd_bwd, h_lea
     return dh, losses, accs
 
 
-def _chained_heads(model, rope, targets, weights, with_accuracy, fwd_bwd, h_leaf, shared,
+def _cascaded_heads(model, rope, targets, weights, with_accuracy, fwd_bwd, h_leaf, shared,
                    grads):
-    """Chained heads (head i reads head i - 1's output): a forward sweep without graphs keeps
+    """Cascaded heads (head i reads head i - 1's output): a forward sweep without graphs keeps
     each head's output (B, T, d); a backward sweep from head K to head 1 reruns each head with
     its graph, adds the gradient its successor sent into its output to its own loss's, and
     sends the gradient of its input back. One head's activations live at a time, and K hidden
@@ -358,11 +358,11 @@ def _frozen_trunk(model: MTPTransformer, h: torch.Tensor, rope: Rope, targets: t
     """Heads 2..K from a frozen trunk's output h, differentiable in their parameters only; no
     loss for head 1, whose weights are frozen with the trunk."""
     K = model.cfg.n_future
-    x = model.head_output(0, h, rope) if model.chained else h  # chained heads read head 1's
+    x = model.head_output(0, h, rope) if model.cascaded else h  # cascaded heads read head 1's
     losses, accs, total = [], [], h.new_zeros((), dtype=torch.float32)
     for i in range(1, K):
         out = model.head_output(i, x, rope, tokens=targets[i - 1])
-        x = out if model.chained else h
+        x = out if model.cascaded else h
         z, W = model.head_norm(out).flatten(0, 1), model.head_unembed(i)
         t = model.head_targets(i, targets[i]).flatten()
         loss = linear_cross_entropy(z, W, t, ignore_index=IGNORE_INDEX)
@@ -430,7 +430,7 @@ def simulated_acceptance(model: MTPTransformer, window: torch.Tensor,
     t is head 1's greedy token at t + j - 1 for every j <= d + 1 (NeMo's simulated acceptance).
 
     1 + their sum is the tokens per forward (L) that greedy self-speculation with all K heads
-    would reach on this text. Chained heads read head 1's greedy tokens, as they read accepted
+    would reach on this text. Cascaded heads read head 1's greedy tokens, as they read accepted
     drafts when decoding; the context is the data's, where decoding's is the greedy path, so
     it approximates L on text the model itself wrote.
     """

@@ -54,7 +54,8 @@ class MTPModule(L.LightningModule):
         model's own under `--loss.targets self` or `greedy`."""
         inputs, targets = mtp_inputs_targets(window, self.model_cfg.n_future)
         if self.loss_cfg.targets != "data":
-            targets = self_targets(self.model, window, chain=self.loss_cfg.targets == "greedy")
+            targets = self_targets(self.model, window,
+                                   on_greedy_path=self.loss_cfg.targets == "greedy")
         return inputs, targets
 
     def frozen_trunk(self) -> FrozenTrunk | None:
@@ -159,7 +160,7 @@ class MTPModule(L.LightningModule):
         embeddings = {id(self.model.embed.weight)}
         for p in self.model.parameters():
             if id(p) not in new and o.train == "heads":
-                p.requires_grad_(False)  # Medusa-1: the base model stays as it is
+                p.requires_grad_(False)  # frozen-trunk training: the base model stays as it is
                 continue
             # Norm gains and biases are 1-D; embeddings are lookups: decaying either only hurts.
             decays = p.dim() >= 2 and id(p) not in embeddings

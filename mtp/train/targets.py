@@ -1,4 +1,5 @@
-"""The output heads' targets: head i (0-based) at position t is trained on token t + i + 1.
+"""The output heads' targets: `heads[i]` at position t is trained on token t + i + 1 (head 1,
+`heads[0]`, on the next token).
 
 `mtp_inputs_targets` cuts the inputs and the K target rows out of windows of T + K tokens: the
 data's own tokens. `--loss.targets self` and `greedy` train on the model's own greedy tokens
@@ -24,7 +25,7 @@ __all__ = ["IGNORE_INDEX", "greedy_predictions", "mtp_inputs_targets", "self_tar
 def mtp_inputs_targets(window: torch.Tensor, n_future: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Split windows (B, T + K) into inputs (B, T) and targets (K, B, T).
 
-    targets[i - 1, b, t] = window[b, t + i]: head i sees the token i positions ahead.
+    targets[i, b, t] = window[b, t + i + 1]: `heads[i]` sees the token i + 1 positions ahead.
     """
     T = window.shape[1] - n_future
     if T < 1:
@@ -44,18 +45,18 @@ def greedy_predictions(model: MTPTransformer, h: torch.Tensor,
 
 
 def targets_from_predictions(window: torch.Tensor, preds: torch.Tensor, n_future: int, *,
-                             chain: bool = False) -> torch.Tensor:
+                             on_greedy_path: bool = False) -> torch.Tensor:
     """Self-distillation targets (K, B, T) of windows (B, T + K) from the model's greedy
     predictions (B, T + K - 1), preds[:, s] being head 1's argmax after tokens 0..s.
 
-    Head i (1-based) at position t gets preds[:, t + i - 1], the model's prediction of token
-    t + i given the data before it. With `chain`, only where the data's tokens t + 1 .. t + i - 1
-    are the model's own greedy ones (elsewhere `IGNORE_INDEX`): there it is token i of the greedy
-    continuation from t, the token a drafting head i must propose to be accepted.
+    `heads[i]` at position t gets preds[:, t + i], the model's prediction of token t + i + 1
+    given the data before it. `on_greedy_path` keeps it only where the data's tokens t + 1 ..
+    t + i are the model's own greedy ones (elsewhere `IGNORE_INDEX`): there it is token i + 1 of
+    the greedy continuation from t, the token `heads[i]` must draft to be accepted.
     """
     T = window.shape[1] - n_future
     targets = torch.stack([preds[:, i:i + T] for i in range(n_future)])  # (K, B, T)
-    if chain:
+    if on_greedy_path:
         agree = window[:, 1:] == preds  # (B, T + K - 1): token s + 1 is the greedy one
         on_path = torch.ones_like(agree[:, :T])
         for i in range(1, n_future):
@@ -66,8 +67,8 @@ def targets_from_predictions(window: torch.Tensor, preds: torch.Tensor, n_future
 
 @torch.no_grad()
 def self_targets(model: MTPTransformer, window: torch.Tensor, chunk: int = 4096, *,
-                 chain: bool = False) -> torch.Tensor:
-    """The targets of `--loss.targets self` (or `greedy`, with `chain`): (K, B, T) from the
+                 on_greedy_path: bool = False) -> torch.Tensor:
+    """The targets of `--loss.targets self` (or `greedy`, with `on_greedy_path`): (K, B, T) from the
     model's own greedy predictions (`mtp.train.targets.targets_from_predictions`), head 1's argmax
     after each of the window's first T + K - 1 tokens.
 
@@ -81,4 +82,5 @@ def self_targets(model: MTPTransformer, window: torch.Tensor, chunk: int = 4096,
                                                                  chunk=chunk))
     finally:
         model.train(was_training)
-    return targets_from_predictions(window, preds, model.cfg.n_future, chain=chain)
+    return targets_from_predictions(window, preds, model.cfg.n_future,
+                                    on_greedy_path=on_greedy_path)

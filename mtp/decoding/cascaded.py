@@ -1,4 +1,4 @@
-"""Drafting with chained heads (`--model.head_type deepseek`): each head reads the one before
+"""Drafting with cascaded heads (`--model.head_type deepseek`): each head reads the one before
 it, so each draft follows the drafts before it.
 
 Head j + 1 (0-based depth j >= 1) at position q reads depth j - 1's output at q and token
@@ -34,15 +34,15 @@ from mtp.decoding.sampling import multinomial
 from mtp.decoding.tree import Tree, TreeTensors
 from mtp.model.transformer import MTPTransformer
 
-__all__ = ["ChainedHeads"]
+__all__ = ["CascadedHeads"]
 
 
-class ChainedHeads(Drafter):
-    """Chained heads 2..heads draft a chain (tree=None) or a tree of their own continuations."""
+class CascadedHeads(Drafter):
+    """Cascaded heads 2..heads draft a chain (tree=None) or a tree of their own continuations."""
 
     def __init__(self, model: MTPTransformer, heads: int, tree: Tree | None = None) -> None:
         if model.head_layers[0] is not None:
-            raise ValueError("chained drafting needs a head 1 that keeps no cache")
+            raise ValueError("cascaded drafting needs a head 1 that keeps no cache")
         self.model, self.depths = model, heads - 1
         self.tree = None if tree is None else tree.pruned(heads - 1)
         self.top = max(self.tree.widths(), default=1) if self.tree is not None else 1

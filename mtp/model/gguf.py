@@ -127,7 +127,7 @@ def read_config(path: str | os.PathLike) -> dict:
     if arch not in ARCHITECTURES:
         raise GGUFError(f"{path}: architecture {arch!r} is not supported (mtp reads "
                         f"{', '.join(ARCHITECTURES)})")
-    n_heads = int(_get(r, path, f"{arch}.attention.head_count"))
+    n_attn_heads = int(_get(r, path, f"{arch}.attention.head_count"))
     d = int(_get(r, path, f"{arch}.embedding_length"))
     problems = []
     if _get(r, path, f"{arch}.expert_count", 0):
@@ -136,8 +136,8 @@ def read_config(path: str | os.PathLike) -> dict:
     if scaling != "none" or any(t.name == "rope_freqs.weight" for t in r.tensors):
         problems.append(f"rotary scaling ({scaling})")
     for key in ("rope.dimension_count", "attention.key_length", "attention.value_length"):
-        width = _get(r, path, f"{arch}.{key}", d // n_heads)
-        if width != d // n_heads:
+        width = _get(r, path, f"{arch}.{key}", d // n_attn_heads)
+        if width != d // n_attn_heads:
             problems.append(f"{arch}.{key} {width} (not embedding_length / head_count)")
     if problems:
         raise GGUFError(f"{path}: mtp cannot reproduce {'; '.join(problems)}")
@@ -147,8 +147,8 @@ def read_config(path: str | os.PathLike) -> dict:
         "model_type": "llama",
         "hidden_size": d,
         "num_hidden_layers": int(_get(r, path, f"{arch}.block_count")),
-        "num_attention_heads": n_heads,
-        "num_key_value_heads": int(_get(r, path, f"{arch}.attention.head_count_kv", n_heads)),
+        "num_attention_heads": n_attn_heads,
+        "num_key_value_heads": int(_get(r, path, f"{arch}.attention.head_count_kv", n_attn_heads)),
         "intermediate_size": int(_get(r, path, f"{arch}.feed_forward_length")),
         "vocab_size": int(_get(r, path, f"{arch}.vocab_size", len(tokens))),
         "max_position_embeddings": int(_get(r, path, f"{arch}.context_length")),
@@ -203,11 +203,11 @@ def read_tokenizer(path: str | os.PathLike) -> Tokenizer:
     return tok
 
 
-def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+def _unpermute(w: torch.Tensor, n_attn_heads: int) -> torch.Tensor:
     """Undo llama.cpp's query / key row permutation (its rotary pairs are adjacent channels,
     transformers' are the two halves of a head)."""
-    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2) \
-        .reshape(w.shape)
+    half = w.shape[0] // n_attn_heads // 2
+    return w.reshape(n_attn_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
 def read_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
