@@ -14,7 +14,8 @@ sandbox   scoring reference solutions under each isolation (bubblewrap, unshare,
 
 Every table is printed and appended to a CSV whose rows carry the command that made them, the
 hardware, versions and git revision (`mtp.bench.report`). This module only parses the command
-line (so `--help` answers at once); each benchmark's module is imported when it runs.
+line (so `--help` answers at once); each benchmark's module is imported when it runs. The
+benchmarks sit above every stage and may import any.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ a bounded sample of the training split, or loaded: ``bpe``) -> per source, one t
 split with an end-of-text token after each document, encoded by worker processes
 (``encoder_pool``) into crash-safe, resumable shards (``shards``) -> windows of seq_len + K
 tokens, so head i finds its targets i positions ahead, their samplers and the
-LightningDataModule (``datamodule``).
+LightningDataModule (``datamodule``). Imports the model stage (a GGUF file's tokenizer) and
+nothing above it.
 """
 
 from mtp.data.bpe import load_tokenizer, tokenizer_sample, train_tokenizer

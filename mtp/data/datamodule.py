@@ -30,7 +30,7 @@ class TokenWindows(Dataset):
     """Windows of `seq_len + n_future` tokens at stride `seq_len` over a token file.
 
     Window j holds tokens [j * seq_len, j * seq_len + seq_len + K); position t of the input
-    predicts, at head i, the token t + i (1-based i), so the last K tokens are targets only.
+    predicts, at `heads[i]`, the token t + i + 1, so the last K tokens are targets only.
     """
 
     def __init__(self, tokens: np.ndarray, seq_len: int, n_future: int) -> None:

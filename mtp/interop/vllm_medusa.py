@@ -18,7 +18,7 @@ vLLM's head j reads the target model's final hidden state z, after its final nor
 accepted token; each layer adds ``SiLU(Linear(x))`` to its input; its logits are
 ``lm_heads[j](x)``, or with a ``token_map`` those scattered to the token ids of the map in a row
 of ``vocab_size`` that is -inf elsewhere. Head j proposes the token j + 2 positions after z's,
-so **vLLM head j is mtp head j + 2** (mtp's head i, 1-based, predicts token t + i). mtp's head 1
+so **vLLM head j is mtp's `heads[j + 1]`**, head j + 2 counting from 1. mtp's head 1
 is the target model's own next-token output, which vLLM computes from the target: `mtp export
 hf` of the same checkpoint, or the pretrained model itself when only the heads were trained.
 
@@ -85,7 +85,7 @@ def medusa_config(model: MTPTransformer) -> dict:
 
 
 def _weights(model: MTPTransformer) -> dict[str, torch.Tensor]:
-    """vLLM head j's tensors from mtp head j + 2 (0-based j + 1), each a tensor of its own
+    """vLLM head j's tensors from mtp's `heads[j + 1]`, each a tensor of its own
     (safetensors stores no shared memory)."""
     state = {}
     rows = model.head_unembed(1).detach()  # (V or Vd, d): W, or its draft-vocabulary rows

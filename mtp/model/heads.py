@@ -1,7 +1,7 @@
-"""The output heads: what head i makes of the trunk output before the unembedding.
+"""The output heads: what each makes of the trunk output before the unembedding.
 
-`--model.head_type` picks one design for all K heads (head i, 1-based, predicts the token i
-positions ahead):
+`--model.head_type` picks one design for all K heads (`heads[i]` predicts the token i + 1
+positions ahead; head 1, the next token, is `heads[0]`):
 
 - `block` (Gloeckle et al. 2024): a transformer block per head, every head reading the trunk
   output h. The paper's design.

@@ -1,14 +1,14 @@
 """The multi-token-prediction transformer, in pure PyTorch.
 
-A shared trunk of `n_trunk_layers` blocks feeds K output heads (`mtp.model.heads`); head i (1-based)
-predicts the token i positions ahead (Gloeckle et al. 2024). All heads share one final RMSNorm
+A shared trunk of `n_trunk_layers` blocks feeds K output heads (`mtp.model.heads`); `heads[i]`
+predicts the token i + 1 positions ahead (Gloeckle et al. 2024). All heads share one final RMSNorm
 and one unembedding W (V x d); the norm follows each head, except for `medusa1` heads, which read
 the normalised trunk output (Medusa-1's layout). With K = 1 and block or deepseek heads this is
 exactly a standard next-token transformer of `n_layers + 1` blocks, with medusa1 heads one of
 `n_layers` blocks. The layers are in `mtp.model.layers`.
 
-Dimension names: B batch, T new tokens, S cached slots, d width, V vocabulary, K heads,
-H attention heads, Hkv key/value heads, hd head width.
+Dimension names: B batch, T new tokens, S cached slots, d width, V vocabulary, K output heads,
+H attention heads, Hkv key/value attention heads, hd attention-head width.
 """
 
 from __future__ import annotations
@@ -76,32 +76,21 @@ class KVCache:
 
 
 class MTPTransformer(nn.Module):
-    """Shared trunk, K heads, one shared final norm and unembedding.
+    """Shared trunk, K output heads, one shared final norm and unembedding.
 
-    Entry points, by what they return, and who calls each:
+    Entry points, by what they return:
 
-    - `model(idx, heads=n)`: logits (n, B, T, V) of heads 1..n, optionally over a KV cache;
-      scoring and references (`mtp.interop.lm_eval_model`, the head accuracies of
-      `mtp.decoding.tree`, the experiments and the tests).
-    - `model(idx, heads_fn=fn)`: `fn(h, rope)` of the trunk output h, inside the model's
-      forward, so FSDP's root unit (`mtp.train.parallel`) gathers the embedding, final norm and
-      unembedding for it. Every loss and metric of `mtp.train.loss` runs its heads this way
-      (`naive_mtp_loss`, `sequential_mtp_loss`, `head_metrics`, `simulated_acceptance`), and
-      so do the self-distillation targets (`mtp.train.targets.self_targets`).
-    - `trunk`: the trunk output h (B, T, d) and the rotary tables; the decode loop's cached
-      forward (`mtp.decoding.engine`) and the frozen trunk of heads-only training
-      (`mtp.train.frozen_trunk`).
-    - `head_output`: one head's output (B, T, d) (`head_norm` of it is the head's normalised
-      state); for callers that run a head on its own: in `mtp.train.loss`,
-      `sequential_mtp_loss` (one head at a time, an FSDP head gathered) and
-      `greedy_predictions`; `mtp.train.frozen_trunk.heads_loss`; in `mtp.decoding`, head 1 of every
-      forward and the cascaded-heads drafter, which feeds each output to the next head.
-    - `head_states`: every head's normalised hidden state (B, T, d) in turn, cascaded heads fed
-      on one another; the logits of `forward`, `naive_mtp_loss`, `head_metrics` and
-      `simulated_acceptance`.
+    - `model(idx, heads=n)`: logits (n, B, T, V) of the first n heads, optionally over a cache.
+    - `model(idx, heads_fn=fn)`: `fn(h, rope)` of the trunk output h, inside the model's forward,
+      so that a wrapper hooking the forward (FSDP's root unit) sees the whole computation: how
+      the heads' loss runs (`mtp.train.loss.mtp_loss`).
+    - `trunk`: the trunk output h (B, T, d) and the rotary tables.
+    - `head_output`: one head's output (B, T, d); `head_norm` of it is its normalised state.
+    - `head_states`: every head's normalised state in turn, cascaded heads fed on one another.
 
     The logits of a normalised state z are `unembed(z)` for head 1 and `draft_logits(z)` for
     heads 2..K; `head_unembed` and `head_targets` give a head's unembedding rows and classes.
+    Who calls which: docs/design-notes.md, "The model's entry points".
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -344,14 +333,10 @@ class MTPTransformer(nn.Module):
         count as zero. The basis of MFU and of `mtp bench train`'s FLOP-model ratio.
         """
         # NOTE: the attention term counts the full T x T score matrix although the mask is
-        # causal (PaLM's convention; torch's FlopCounterMode also counts fused SDPA as full
-        # T x T, with a 2.5x backward that includes the recomputed scores). A causal flash kernel
-        # executes about half of it, so MFU on this basis is the comparable PaLM-style one,
-        # not the hardware utilisation of attention. Counting the unembedding once instead of
-        # K times read 14% low at 1B, K = 4, T = 4096 (7.22 against 8.40 GFLOP per token), 33%
-        # low for the `cpu` model at K = 4, T = 128.
-        # tests/test_flops.py checks this against FlopCounterMode over a real step (SDPA's math
-        # backend, whose bmm's it counts): exactly equal for K in {1, 4} and both head types.
+        # causal (PaLM's convention, and torch's FlopCounterMode's), so MFU on this basis is the
+        # comparable PaLM-style one, not the hardware utilisation of attention; the unembedding
+        # counts K times, once per head. Why, with the figures: docs/design-notes.md, "The FLOP
+        # model"; a test checks it against FlopCounterMode over a real step.
         matrices = sum(p.numel() for part in (self.blocks, self.heads)
                        for p in part.parameters() if p.dim() > 1)
         V, d = self.unembed.weight.shape

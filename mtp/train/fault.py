@@ -1,30 +1,8 @@
-"""Nothing lost when `mtp fit` is stopped: checkpoints are never half-written, ``last.ckpt``
-is always the latest state, and SIGINT or SIGTERM at any stage ends the run with what it can
-keep, the command that goes on from there, and exit status 128 + the signal.
-
-- `AtomicCheckpointIO` writes each checkpoint to a temporary file beside its final name (locked
-  while it is written), fsyncs it and renames it into place: a full disk or a kill mid-write
-  leaves the previous checkpoint and no truncated file under the final name.
-  `remove_stale_temporaries` deletes the temporary files that a ``kill -9`` left behind.
-- `Interruptible` holds the one SIGINT / SIGTERM handler of a run, from before the data is
-  prepared until the process ends (it replaces the SIGTERM handler that Lightning sets when
-  training starts, whose `SIGTERMException` exits 0). What a signal does depends on the stage:
-
-  - data preparation, tokenisation, or after training: the run stops at once (`Stopped`), or
-    as soon as the tokenising workers have started if they are starting; the shards keep their
-    last checkpoint, so the printed command continues them;
-  - a training step, or a checkpoint being written: the step or the write in flight finishes
-    (a signal raised mid-step could leave the weights half updated), then
-    ``interrupted-step=N.ckpt`` is saved, ``last.ckpt`` made the same file, and the trainer
-    stops;
-  - validation: the batch in flight finishes, the checkpoint of the last training step is
-    saved, and the run stops without finishing the validation.
-
-  A second Ctrl-C interrupts at once, as Lightning does. SIGUSR1 is left to Lightning: with
-  ``--trainer.plugins`` ``SLURMEnvironment(auto_requeue=True)`` it saves ``hpc_ckpt_N.ckpt``
-  and requeues the job, which resumes from it.
-- ``last.ckpt`` is written at every validation (not only when the monitored loss improved, as
-  Lightning's ``save_last`` does), at an interruption and at the final step.
+"""Nothing lost when `mtp fit` is stopped: checkpoints are never half-written
+(`AtomicCheckpointIO`: temporary file, fsync, rename), ``last.ckpt`` is always the latest state,
+and one SIGINT / SIGTERM handler (`Interruptible`) lets the step, write or validation batch in
+flight finish, keeps what it can, prints the command that goes on from there and exits 128 + the
+signal. What a signal does at each stage of a run: docs/faults.md, "Stopping `mtp fit`".
 """
 
 from __future__ import annotations

@@ -182,12 +182,9 @@ class _SequentialHeads(torch.autograd.Function):
 
     # NOTE: design. The alternative that lets FSDP's own hooks shard the heads keeps each head in
     # the ordinary autograd graph under activation checkpointing, so each head's forward runs
-    # again in the backward: it must either keep each head's dL/dz until that recomputed
-    # backward or recompute the loss there too. Measured against this node (a whole step of the
-    # `cpu` model as `mtp bench train` runs it; the loss path's peak as `mtp bench loss` runs
-    # it, K = 1 to 8), both variants were slower per step and their peak grew at least as much
-    # with K, recomputing the loss most of all. Most of the growth with K that this node keeps
-    # is the heads' own parameter gradients.
+    # again in the backward, keeping each head's dL/dz until then or recomputing the loss. Both
+    # variants were slower per step (`mtp bench train`) with a peak that grew at least as much
+    # with K (`mtp bench loss`): docs/design-notes.md, "The sequential head pass".
 
     @staticmethod
     def forward(ctx, model, rope, targets, weights, with_accuracy, fwd_bwd, h, *params):
