@@ -10,7 +10,7 @@ A run's estimated time is
     FLOPs / (the device's peak FLOP/s at the run's precision x its assumed utilisation)
     + host seconds
 
-FLOPs are `MTPTransformer.flops_per_token(seq_len)` (forward and backward; tests/test_flops.py
+FLOPs are `MTPTransformer.flops_per_token(seq_len)` (forward and backward; tests/model/test_flops.py
 checks it against FlopCounterMode) times the tokens trained on, plus a third of it for every
 token scored afterwards (a forward pass). Host seconds are the work a faster GPU does not
 shorten, measured on the CPU machine by `host_costs.measure` and kept in `fixed_costs.yaml`
@@ -21,10 +21,10 @@ added to the GPU's time, not overlapped with it, which bounds the time from abov
 dispatches while the GPU computes; and they were measured on a shared 2-core machine, slower
 than a GPU server's host.
 
-A GPU preset is sized by two rules, which `tests/test_experiments_budget.py` checks for every one:
-the same tokens per parameter at every width (`tokens_per_param`: the steps of a width are the
-fewest that give every parameter of its K = 1 model that many training tokens; every K at the
-width trains as long), and enough seeds that Holm's strictest step over the largest family of
+A GPU preset is sized by two rules, which `tests/experiments/test_experiments_budget.py` checks for
+every one: the same tokens per parameter at every width (`tokens_per_param`: the steps of a width
+are the fewest that give every parameter of its K = 1 model that many training tokens; every K at
+the width trains as long), and enough seeds that Holm's strictest step over the largest family of
 tests a page of the preset makes detects a true difference of `POWER_TARGET_SD` pooled standard
 deviations with 80% probability (`stats.detectable_difference`).
 """

@@ -1,11 +1,10 @@
 """The statistics of the studies' reports.
 
-A report first adds every test it makes to one `Family`: each comparison of two groups
-(`welch`), each group against its floor or ceiling and each speedup against 1 (`one_sample`).
-`Family.decide` then runs Holm's step-down correction over all of them (`holm`), and only then
-does the report render each test with its verdict. `tests/test_experiments.py` simulates the
-rule under the null, and `experiments/recheck.py` recomputes every committed verdict apart from
-this file.
+A report first adds every test it makes to one `Family`: each comparison of two groups (`welch`),
+each group against its floor or ceiling and each speedup against 1 (`one_sample`). `Family.decide`
+then runs Holm's step-down correction over all of them (`holm`), and only then does the report
+render each test with its verdict. `tests/experiments/test_experiments.py` simulates the rule under
+the null, and `experiments/recheck.py` recomputes every committed verdict apart from this file.
 """
 
 from __future__ import annotations
@@ -44,13 +43,13 @@ def _p_value(t: float, df: float, side: str) -> float:
 def welch(a: Sequence[float], b: Sequence[float]) -> tuple[float, float, float, float]:
     """Welch's t-test of mean(a) - mean(b), two-sided: (difference, t, degrees of freedom, p).
 
-    The statistic is Welch's, the difference over the root of the two groups' own variances of
-    the mean; its degrees of freedom are min(len(a), len(b)) - 1 (Hsu's choice), under which the
-    test keeps its level whatever the ratio of the two spreads. The Welch-Satterthwaite degrees
-    of freedom, estimated from the sample variances, make it reject too often in the tails that
-    Holm's correction uses when a group has a few seeds and the spreads differ
-    (tests/test_experiments.py simulates both). Groups without spread differ for certain or not
-    at all: p is 0 or 1.
+    The statistic is Welch's, the difference over the root of the two groups' own variances of the
+    mean; its degrees of freedom are min(len(a), len(b)) - 1 (Hsu's choice), under which the test
+    keeps its level whatever the ratio of the two spreads. The Welch-Satterthwaite degrees of
+    freedom, estimated from the sample variances, make it reject too often in the tails that Holm's
+    correction uses when a group has a few seeds and the spreads differ
+    (tests/experiments/test_experiments.py simulates both). Groups without spread differ for certain
+    or not at all: p is 0 or 1.
     """
     a, b = _finite(a), _finite(b)
     sa, sb = summarize(a), summarize(b)

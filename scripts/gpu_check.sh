@@ -51,8 +51,8 @@ EOF
 cat "$OUT/versions.txt"
 
 log "1/6 GPU kernel tests (bf16, fp32)"
-timeout 150 "$PYTHON" -m pytest -o addopts="" tests/test_linear_cross_entropy_*.py -m gpu -q -rA \
-    -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.txt"
+timeout 150 "$PYTHON" -m pytest -o addopts="" tests/kernels/test_linear_cross_entropy_*.py -m gpu \
+    -q -rA -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.txt"
 tests_rc=${PIPESTATUS[0]}
 log "tests exit status $tests_rc"
 

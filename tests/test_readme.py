@@ -89,15 +89,15 @@ SHRINK = {
 }
 #: Commands parsed with their flags but not run here, and the test that runs them.
 PARSE_ONLY = {
-    ("bench", "tokenize"): "tests/test_bench.py (a 1 MiB corpus)",
-    ("bench", "loss", "--fsdp"): "tests/test_bench.py (FSDP over two processes)",
+    ("bench", "tokenize"): "tests/bench/test_bench.py (a 1 MiB corpus)",
+    ("bench", "loss", "--fsdp"): "tests/bench/test_bench.py (FSDP over two processes)",
 }
 
 
 #: README commands that another test runs in full (this one has no task data for them).
 RUN_ELSEWHERE = {
-    ("lm-eval",): "tests/test_lmeval.py (lm-eval tasks built from a local JSON file, --model "
-                  "mtp against --model hf on the export)",
+    ("lm-eval",): "tests/interop/test_lmeval.py (lm-eval tasks built from a local JSON file, "
+                  "--model mtp against --model hf on the export)",
 }
 
 

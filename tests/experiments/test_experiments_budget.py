@@ -9,13 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from conftest import REPO
 from experiments_helpers import PROV, tiny_preset
 
 from experiments import arithmetic, common, curves, induction, k_report, k_sweep, stats
 from mtp.config import ModelConfig
 from mtp.util.errors import InputError
-
-REPO = Path(__file__).resolve().parents[1]
 
 GPU_PRESETS = [("k_sweep", "gpu"), ("k_sweep", "scan_gpu"), ("induction", "gpu"),
                ("arithmetic", "gpu")]

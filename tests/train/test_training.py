@@ -5,12 +5,12 @@ import logging
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
 import yaml
+from conftest import REPO
 from lightning.pytorch.cli import LightningArgumentParser
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -21,7 +21,6 @@ from mtp.model.checkpoint import load_checkpoint
 from mtp.train.cli import add_run_arguments, run_config
 from mtp.train.module import MTPModule, TokenizerInCheckpoint, lr_factor
 
-REPO = Path(__file__).resolve().parents[1]
 TINY = ModelConfig(vocab_size=300, d_model=32, n_layers=1, n_attn_heads=2, n_future=2,
                    max_seq_len=32)
 

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
+from eval_helpers import DATA
 from mtp.eval.data import load_benchmark
 from mtp.eval.prompts import build_prompt, stop_sequences, truncate
 
-DATA = Path(os.environ.get("MTP_SHARED_DATA", Path(__file__).parents[1].parent / "shared" / "data"))
 MBPP_FILE = DATA / "mbpp" / "mbpp.jsonl"
 
 

@@ -4,15 +4,14 @@ matches; otherwise it refuses, naming the flag, or with ``--fresh`` sets them as
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
+from eval_helpers import DATA
 from mtp.eval.cli import main
 from mtp.eval.data import DataError, load_benchmark
 from mtp.eval.provenance import PROVENANCE, check_or_record, claimed, path_digest
 
-DATA = Path(os.environ.get("MTP_SHARED_DATA", Path(__file__).parents[1].parent / "shared" / "data"))
 HUMANEVAL_PLUS = DATA / "evalplus" / "HumanEvalPlus-OriginFmt.jsonl.gz"
 
 

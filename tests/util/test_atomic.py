@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import os
 import re
-from pathlib import Path
 
 import pytest
+from conftest import REPO as ROOT
 
 from mtp.util import atomic
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _fsyncs(monkeypatch) -> list[str]:

@@ -110,7 +110,7 @@ def test_kv_cache_matches_full_forward(head_type):
                       n_future=3, head_type=head_type, max_seq_len=32)
     model = MTPTransformer(cfg).eval()
     idx = torch.randint(0, 50, (2, 12))
-    # cascaded heads read tokens ahead of the cached ones: decoding runs them (tests/
+    # cascaded heads read tokens ahead of the cached ones: decoding runs them (tests/decoding/
     # test_head_types.py); a cached forward of the model gives head 1 only
     heads = 1 if model.cascaded else None
     full = model(idx, heads=heads)

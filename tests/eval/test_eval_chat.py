@@ -4,13 +4,13 @@ read back out of an answer, and chat answers scored through the harness."""
 from __future__ import annotations
 
 import json
-import os
 import textwrap
 from pathlib import Path
 
 import jinja2
 import pytest
 import torch
+from eval_helpers import DATA
 from mtp.eval.chat import ChatTemplate, code_closed, extract_code
 from mtp.eval.data import Benchmark, load_benchmark
 from mtp.eval.harness import GenerationConfig, evaluate_completions
@@ -24,7 +24,6 @@ from mtp.config import ModelConfig
 from mtp.model.checkpoint import EOT_TOKEN, save_checkpoint
 from mtp.model.transformer import MTPTransformer
 
-DATA = Path(os.environ.get("MTP_SHARED_DATA", Path(__file__).parents[1].parent / "shared" / "data"))
 MBPP_FILE = DATA / "mbpp" / "mbpp.jsonl"
 LIMITS = Limits(timeout=20.0)
 

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
 from pathlib import Path
 
 import pytest
+from eval_helpers import DATA
 
 from experiments.crosscheck import main
-
-DATA = Path(os.environ.get("MTP_SHARED_DATA", Path(__file__).parents[1].parent / "shared" / "data"))
 
 
 def _write(run: Path, records: list[dict]) -> Path:

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from checkpoint_helpers import debug_checkpoint
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from mtp.bench import main, parser
@@ -191,3 +192,26 @@ def test_bench_decode_refuses_bad_validation_prompts(run, tmp_path, capsys):
             main(["decode", *args, "--csv", str(tmp_path / "x.csv")])
         err = capsys.readouterr().err
         assert e.value.code == 2 and all(m in err for m in messages), (args, err)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    """An untrained debug checkpoint with a 32-token context length."""
+    return debug_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny.ckpt")
+
+
+def test_bench_decode_records_the_batch_size_it_ran(ckpt, tmp_path):
+    import csv
+    import json
+
+    import mtp.bench
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n"
+                               for p in ["def add(a, b):", "x = 1", "y = 2", "z = 3"]))
+    out = tmp_path / "bench.csv"
+    assert mtp.bench.main(["decode", "--ckpt", str(ckpt), "--prompts", str(prompts), "--limit",
+                           "2", "--batch-size", "8", "--max-new-tokens", "4", "--decoders",
+                           "greedy", "--repeat", "1", "--csv", str(out)]) == 0
+    rows = list(csv.DictReader(out.open()))
+    assert rows and all(r["batch_size"] == "2" for r in rows)

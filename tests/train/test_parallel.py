@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import REPO
 
 from mtp.config import ModelConfig
 from mtp.model.checkpoint import load_checkpoint
@@ -18,8 +19,6 @@ from mtp.model.transformer import MTPTransformer
 from mtp.train.loss import naive_mtp_loss, sequential_mtp_loss
 from mtp.train.parallel import run_ranks
 from mtp.train.targets import IGNORE_INDEX, mtp_inputs_targets
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _fsdp_worker(rank, world, state, inputs, targets, accumulate, out_path):

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
 from pathlib import Path
 
 import pytest
+from eval_helpers import DATA
 from mtp.eval.data import DataError, load_benchmark
 
-DATA = Path(os.environ.get("MTP_SHARED_DATA", Path(__file__).parents[1].parent / "shared" / "data"))
 MBPP_FILE = DATA / "mbpp" / "mbpp.jsonl"
 SANITIZED_FILE = DATA / "mbpp" / "sanitized-mbpp.json"
 HEPLUS_FILE = DATA / "evalplus" / "HumanEvalPlus-OriginFmt.jsonl.gz"

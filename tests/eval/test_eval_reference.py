@@ -13,12 +13,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from eval_helpers import DATA
 from mtp.eval.data import load_benchmark
 from mtp.eval.execution import TimePolicy
 from mtp.eval.harness import evaluate_completions, load_completions
 from mtp.eval.sandbox import Limits
 
-DATA = Path(os.environ.get("MTP_SHARED_DATA", Path(__file__).parents[1].parent / "shared" / "data"))
 MBPP_FILE = DATA / "mbpp" / "mbpp.jsonl"
 
 
@@ -89,7 +89,7 @@ def test_plus_reference_subset_passes(name, file):
 
 
 # The EvalPlus references that fail under the default limits: defects of the data, not of the
-# harness (`pytest -m slow tests/test_eval_reference.py` runs every reference).
+# harness (`pytest -m slow tests/eval/test_eval_reference.py` runs every reference).
 PLUS_DEFECTS = {
     "humaneval+": {"HumanEval/32": "the OriginFmt test unpacks a float: TypeError: Value after "
                                    "* must be an iterable, not float"},

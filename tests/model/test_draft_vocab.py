@@ -8,12 +8,12 @@ speculative sampling keeps the distribution of plain sampling."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import REPO
 from decoding_helpers import (
     N_NEW,
     N_SAMPLES,
@@ -133,7 +133,7 @@ def test_fit_takes_the_most_frequent_training_tokens(tiny_corpus, tmp_path, monk
     from mtp.model.checkpoint import load_checkpoint
 
     monkeypatch.chdir(tmp_path)
-    assert main(["fit", "--config", str(Path(__file__).parents[1] / "configs/debug.yaml"),
+    assert main(["fit", "--config", str(REPO / "configs/debug.yaml"),
                  "--model.draft_vocab", "50", "--trainer.max_steps", "2",
                  "--trainer.val_check_interval", "2", "--trainer.enable_progress_bar", "false",
                  "--data.source", str(tiny_corpus), "--data.cache_dir", str(tmp_path / "cache"),

@@ -12,13 +12,12 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from conftest import REPO
 from experiments_helpers import PROV, synthetic_rows, tiny_preset, write_csv
 
 from experiments import arithmetic, common, induction, k_report, k_sweep, stats
 from mtp.config import ModelConfig
 from mtp.util.errors import InputError
-
-REPO = Path(__file__).resolve().parents[1]
 
 # -- results, statistics, reports -------------------------------------------------------------
 

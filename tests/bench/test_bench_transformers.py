@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from eval_helpers import DATA
 
 import mtp.bench
 from mtp.config import ModelConfig
@@ -101,8 +102,6 @@ def test_benchmark_prompts_are_those_mtp_eval_builds(capsys):
     """`--prompts humaneval,mbpp=FILE`: the first N of each benchmark, raw or in the chat
     template, as `mtp eval` builds them; a chat format without a template names the flag."""
     import argparse
-    import os
-    from pathlib import Path
 
     from mtp.eval.chat import ChatTemplate
     from mtp.eval.data import load_benchmark
@@ -110,8 +109,7 @@ def test_benchmark_prompts_are_those_mtp_eval_builds(capsys):
 
     from mtp.bench.decode import read_prompts
 
-    mbpp_file = Path(os.environ.get("MTP_SHARED_DATA", Path(__file__).parents[2] / "shared"
-                                    / "data")) / "mbpp" / "mbpp.jsonl"
+    mbpp_file = DATA / "mbpp" / "mbpp.jsonl"
     template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
                 "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
                 "{% endif %}")

@@ -6,17 +6,15 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO as ROOT
 
 from mtp.config import ModelConfig
 from mtp.data.bpe import train_tokenizer
 from mtp.interop.hf_export import export
 from mtp.model.transformer import MTPTransformer
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run_at_root(code: str, *flags: str) -> str:

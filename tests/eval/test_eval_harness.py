@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections import Counter
 from pathlib import Path
 
 import pytest
+from eval_helpers import DATA
 from mtp.eval import execution
 from mtp.eval.cli import main
 from mtp.eval.data import Benchmark, DataError, load_benchmark
 from mtp.eval.harness import GenerationConfig, JsonlLog, evaluate_completions, score
 from mtp.eval.sandbox import Limits
 
-DATA = Path(os.environ.get("MTP_SHARED_DATA", Path(__file__).parents[1].parent / "shared" / "data"))
 MBPP_FILE = DATA / "mbpp" / "mbpp.jsonl"
 LIMITS = Limits(timeout=20.0)
 

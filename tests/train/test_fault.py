@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from mtp.cli import main
 from mtp.train.fault import AtomicCheckpointIO, resume_command
 
-REPO = Path(__file__).resolve().parents[1]
 MTP = str(Path(sys.executable).parent / "mtp")
 
 

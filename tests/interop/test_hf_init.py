@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from conftest import REPO
 
 from mtp.config import ModelConfig
 from mtp.data.bpe import train_tokenizer
@@ -22,7 +23,6 @@ from mtp.train.loss import mtp_loss
 from mtp.train.targets import mtp_inputs_targets
 from mtp.util.errors import ExportError
 
-REPO = Path(__file__).resolve().parents[1]
 LLAMA3_EOS = "<|end_of_text|>"
 TEXTS = ["def add(a, b):\n    return a + b\n", "for i in range(10):\n    print(i)\n"] * 20
 

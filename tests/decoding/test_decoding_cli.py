@@ -8,10 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoint_helpers import debug_checkpoint
 from mtp.eval.completer import load_completer
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 import mtp.bench
+from mtp.cli import main
 from mtp.config import ModelConfig
 from mtp.decoding.cli import generate_main
 from mtp.model.checkpoint import EOT_TOKEN, save_checkpoint
@@ -273,3 +275,17 @@ def test_completer(ckpts) -> None:
         load_completer(ckpts["k1"], decoder="self-spec", device="cpu")
     with pytest.raises(ValueError, match="unknown decoder"):
         load_completer(ckpts["k4"], decoder="beam", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    """An untrained debug checkpoint with a 32-token context length."""
+    return debug_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny.ckpt")
+
+
+def test_generate_says_when_the_context_window_stopped_it(ckpt, capsys):
+    assert main(["generate", "--ckpt", str(ckpt), "--prompt", "def add(a, b):",
+                 "--max-new-tokens", "100", "--compare", "none"]) == 0
+    err = capsys.readouterr().err
+    assert "note: stopped at the context length (--model.max_seq_len 32): " in err
+    assert "of --max-new-tokens 100 new tokens" in err

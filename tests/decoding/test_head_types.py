@@ -1,5 +1,6 @@
 """Every decoder with every head type, and the cascaded (deepseek) drafter against the model's
-own teacher-forced forward. Block heads are covered the same way in tests/test_decoding.py."""
+own teacher-forced forward. Block heads are covered the same way in
+tests/decoding/test_decoding.py."""
 
 from __future__ import annotations
 
