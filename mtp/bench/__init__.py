@@ -136,6 +136,9 @@ def _decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--auto-tree", type=int, default=16, metavar="NODES",
                    help="also run a tree of NODES nodes chosen from head accuracies measured on "
                         "the greedy outputs of the first --calib-prompts prompts (0: no)")
+    p.add_argument("--dynamic-tree", type=int, default=0, metavar="NODES",
+                   help="also run a tree grown each round where the heads are sure, of at most "
+                        "NODES nodes, sized by this machine's measured forward time (0: no)")
     p.add_argument("--calib-prompts", type=int, default=10,
                    help="prompts whose greedy continuations calibrate the auto tree")
     p.add_argument("--warmup", type=int, default=1, help="untimed prompts before measuring")

@@ -50,7 +50,7 @@ from mtp.decoding.policy import Adaptive
 from mtp.decoding.request import HEAD_DECODERS, DecodeRequest
 from mtp.decoding.stats import PHASES, DecodeStats
 from mtp.decoding.stopper import Stopper
-from mtp.decoding.tree import Tree, head_accuracy
+from mtp.decoding.tree import DynamicTree, Tree, head_accuracy
 
 
 @dataclass
@@ -174,7 +174,8 @@ def _flag_problems(args) -> list[str]:
     """The problems of the flags of `mtp bench decode` that `mtp generate` does not have."""
     problems = []
     for name, least in (("limit", 1), ("repeat", 1), ("batch_size", 1), ("calib_prompts", 1),
-                        ("warmup", 0), ("auto_tree", 0), ("prompt_tokens", 1)):
+                        ("warmup", 0), ("auto_tree", 0), ("dynamic_tree", 0),
+                        ("prompt_tokens", 1)):
         value = getattr(args, name)
         if value is not None and value < least:
             problems.append(f"--{name.replace('_', '-')} must be >= {least} (got {value})")
@@ -302,7 +303,8 @@ def _bare_forward_ms(model, batch: int, t: int, cache_len: int, repeat: int) -> 
     return 1000 * statistics.median(times[2:])
 
 
-def _requests(args, decoders: list[str], tree: Tree | None) -> list[DecodeRequest]:
+def _requests(args, decoders: list[str],
+              tree: Tree | DynamicTree | None) -> list[DecodeRequest]:
     """The request of the reference (greedy, or sample with --temperature) and of each decoder
     of `--decoders`, with the settings its rows take."""
     base = "sample" if args.temperature else "greedy"
@@ -312,7 +314,8 @@ def _requests(args, decoders: list[str], tree: Tree | None) -> list[DecodeReques
             for d in ["greedy", *decoders]]
 
 
-def _configs(args, decoders: list[str], heads: list[int], tree: Tree) -> list[_Config]:
+def _configs(args, decoders: list[str], heads: list[int],
+             tree: Tree | DynamicTree) -> list[_Config]:
     """The rows of mtp's decoders (but the auto tree and the lookup twins), the reference first."""
     sampled = bool(args.temperature)
     base = "sample" if sampled else "greedy"
@@ -325,9 +328,16 @@ def _configs(args, decoders: list[str], heads: list[int], tree: Tree) -> list[_C
     for d in decoders:
         if d == "self-spec":
             configs += [row(f"self-spec h={h}", d, heads=h) for h in heads if h > 1]
+        elif d == "tree" and isinstance(tree, DynamicTree):
+            configs += [row(f"tree dynamic({tree.max_nodes}) h={h}", d, heads=h, tree=tree)
+                        for h in heads if h > 1]
         elif d == "tree":
             configs += [row(f"tree h={h} [{','.join(map(str, tree.pruned(h - 1).widths()))}]",
                             d, heads=h, tree=tree) for h in heads if h > 1]
+            if args.dynamic_tree:
+                dynamic = DynamicTree(max_nodes=args.dynamic_tree)
+                configs += [row(f"tree dynamic({args.dynamic_tree}) h={h}", d, heads=h,
+                                tree=dynamic) for h in heads if h > 1]
         elif d == "draft":
             configs.append(row(f"draft gamma={args.gamma}", d))
         elif d == "lookup":

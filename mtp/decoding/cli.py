@@ -46,8 +46,10 @@ def decoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=None,
                    help="sample from the top-p nucleus, 0 < p <= 1")
     p.add_argument("--tree", default="3,2,1",
-                   help="tree of the `tree` decoder: top-k widths per depth, e.g. 3,2,1 "
-                        "(cut to the heads used)")
+                   help="tree of the `tree` decoder: top-k widths per depth, e.g. 3,2,1 (cut to "
+                        "the heads used), or `dynamic` (at most 32 nodes) or `dynamic:N`: a tree "
+                        "grown each round where the heads are sure, sized by this machine's "
+                        "measured forward time")
     p.add_argument("--draft-ckpt", default=None,
                    help="checkpoint of the small draft model for decoder `draft`")
     p.add_argument("--gamma", type=int, default=4, help="tokens the draft model proposes")
@@ -75,10 +77,11 @@ def decode_request(args: argparse.Namespace, **fields):
 
 def check_args(args: argparse.Namespace):
     """The flags beside a request's, before anything loads: `--tree` as a `mtp.decoding.Tree`
-    (None where it is refused) and the problems of `--tree`, `--threads` and `--device`."""
+    or `DynamicTree` (None where it is refused) and the problems of `--tree`, `--threads` and
+    `--device`."""
     import torch
 
-    from mtp.decoding.tree import Tree
+    from mtp.decoding.tree import MAX_TREE_NODES, DynamicTree, Tree
 
     problems = []
     if args.threads is not None and args.threads < 1:
@@ -88,13 +91,20 @@ def check_args(args: argparse.Namespace):
     except RuntimeError as e:
         problems.append(f"--device {args.device!r}: {e}")
     tree = None
+    if args.tree.startswith("dynamic"):
+        nodes = args.tree.removeprefix("dynamic").removeprefix(":")
+        try:
+            return DynamicTree(max_nodes=int(nodes or DynamicTree.max_nodes)), problems
+        except ValueError:
+            return None, [*problems, f"--tree dynamic:N needs 1 <= N <= {MAX_TREE_NODES} "
+                                     f"nodes (got {args.tree!r})"]
     try:
         widths = [int(w) for w in args.tree.split(",")]
         if min(widths) < 1:
             raise ValueError(args.tree)
     except ValueError:
-        problems.append(f"--tree must be comma-separated widths >= 1, e.g. 3,2,1 (got "
-                        f"{args.tree!r})")
+        problems.append(f"--tree must be comma-separated widths >= 1, e.g. 3,2,1, or dynamic "
+                        f"(got {args.tree!r})")
     else:
         try:
             tree = Tree.from_widths(widths)

@@ -8,7 +8,8 @@ round) and `keep` (rows leave the batch).
 - `ParallelHeads`: heads 2..h, each reading the trunk output, draft a chain (blockwise parallel
   decoding, Stern et al. 2018).
 - `ParallelHeadsTree`: the top-k of those heads form a candidate tree (Medusa), with prompt
-  lookup's continuation as one more branch where asked (`mtp.decoding.lookup`).
+  lookup's continuation as one more branch where asked (`mtp.decoding.lookup`);
+  `ParallelHeadsDynamicTree` grows that tree anew each round where the heads are sure.
 - `DraftModel`: a separate small model drafts a chain (Leviathan et al. 2023).
 - `Oracle`: drafts the tokens greedy will emit; an upper bound that measures the loop's cost
   independently of how good the heads are.
@@ -39,10 +40,11 @@ from mtp.decoding.engine import (
 )
 from mtp.decoding.sampling import multinomial
 from mtp.decoding.stacked import stacked_heads
-from mtp.decoding.tree import Tree, TreeTensors
+from mtp.decoding.tree import DynamicTree, Tree, TreeTensors
 from mtp.model.transformer import MTPTransformer
 
-__all__ = ["DraftModel", "Drafter", "Oracle", "ParallelHeads", "ParallelHeadsTree"]
+__all__ = ["DraftModel", "Drafter", "Oracle", "ParallelHeads", "ParallelHeadsDynamicTree",
+           "ParallelHeadsTree"]
 
 
 class Drafter:
@@ -189,8 +191,9 @@ class ParallelHeadsTree(ParallelHeads):
         self.lookup = lookup
         extra = lookup.tokens if lookup is not None else 0
         self.max_drafts = max(self.tree.depth, extra)
-        # The tree cut to fewer levels near the end, with a lookup branch of some length.
-        self.by_shape: dict[tuple[int, int], TreeTensors] = {}
+        # Trees (the tree cut to fewer levels near the end, or each round's own) with a lookup
+        # branch of some length.
+        self.by_shape: dict[tuple[tuple, int], TreeTensors] = {}
 
     @property
     def slots_needed(self) -> int:
@@ -204,26 +207,69 @@ class ParallelHeadsTree(ParallelHeads):
     def _draft(self, ctx, logits) -> None:
         self.drafts = logits.topk(self.top, dim=-1).indices  # (B, h-1, top)
 
-    def _tensors(self, n: int, m: int, device: torch.device) -> TreeTensors:
-        if (n, m) not in self.by_shape:
-            self.by_shape[n, m] = TreeTensors.build(self.tree.pruned(n), device, chain=m)
-        return self.by_shape[n, m]
+    def _round_tree(self, ctx: Context, n: int, m: int) -> Tree:
+        """The tree of a round with at most n levels and a lookup branch of m tokens."""
+        return self.tree.pruned(n)
+
+    def _tensors(self, tree: Tree, m: int, device: torch.device) -> TreeTensors:
+        key = (tree.paths, m)
+        if key not in self.by_shape:
+            if len(self.by_shape) >= 4096:  # dynamic trees: keep the recent shapes only
+                self.by_shape.pop(next(iter(self.by_shape)))
+            self.by_shape[key] = TreeTensors.build(tree, device, chain=m)
+        return self.by_shape[key]
 
     def propose(self, ctx, pending, n) -> Proposal:
         self._catch_up_for(ctx, n)
-        tt = self._tensors(n, 0, pending.device)
+        chain = self.lookup.padded(ctx, n, pending.device) if self.lookup is not None else None
+        m = 0 if chain is None else chain.shape[1]
+        tree = self._round_tree(ctx, n, m)
+        tt = self._tensors(tree, m, pending.device)
         # Node j holds candidate rank[j] of head depth[j] + 1; the root holds pending.
-        tokens = self.drafts[:, (tt.depth - 1).clamp(min=0), tt.rank]  # (B, N+1)
-        tokens[:, 0] = pending
-        m = 0
-        if self.lookup is not None:
-            chain = self.lookup.padded(ctx, n, pending.device)
-            m = chain.shape[1]
-            if m:
-                tt = self._tensors(n, m, pending.device)
-                tokens = torch.cat([tokens, chain], dim=1)
+        n_tree = len(tree.paths)
+        tokens = self.drafts[:, (tt.depth[:n_tree] - 1).clamp(min=0), tt.rank[:n_tree]]
+        tokens[:, 0] = pending  # (B, N+1)
+        if m:
+            tokens = torch.cat([tokens, chain], dim=1)
         ctx.timer.lap("tree")
-        return Proposal(tokens, max(min(n, self.tree.depth), m), tree=tt)
+        return Proposal(tokens, max(tree.depth, m), tree=tt)
+
+
+class ParallelHeadsDynamicTree(ParallelHeadsTree):
+    """Heads 2..h draft a tree grown each round where they are sure (`DynamicTree`): their `top`
+    candidates with their probabilities, the paths of largest chance added until a node more
+    costs more forward time than its chance of being accepted is worth, by the verify forward's
+    time measured on this machine (`mtp.decoding.cost.verify_seconds`)."""
+
+    def __init__(self, model: MTPTransformer, heads: int, dynamic: DynamicTree,
+                 lookup=None) -> None:
+        # the static tree's attributes: a chain of the heads' depth, their top candidates
+        super().__init__(model, heads, Tree.from_widths([1] * (heads - 1)), lookup)
+        self.top = min(dynamic.top, model.cfg.draft_vocab or model.cfg.vocab_size)
+        self.dynamic = dynamic
+        self.max_nodes = dynamic.max_nodes
+        self.chances: torch.Tensor | None = None  # (h-1, top): the round's candidates' chances
+        self.seconds: list[float] = []
+
+    @property
+    def slots_needed(self) -> int:
+        return self.max_nodes + 1 + (self.lookup.tokens if self.lookup is not None else 0)
+
+    def start(self, ctx, prompts, trunk, pending) -> None:
+        from mtp.decoding.cost import verify_seconds
+
+        self.seconds = verify_seconds(ctx.model, len(prompts), self.slots_needed)
+        super().start(ctx, prompts, trunk, pending)
+
+    def _draft(self, ctx, logits) -> None:
+        probs, self.drafts = logits.float().softmax(-1).topk(self.top, dim=-1)  # (B, h-1, top)
+        self.chances = probs.mean(0)  # one tree for the batch: the rows' chances averaged
+
+    def _round_tree(self, ctx: Context, n: int, m: int) -> Tree:
+        if n == 0:
+            return Tree.from_paths([])
+        # seconds[i]: a forward over the root, the lookup branch and i tree nodes
+        return self.dynamic.grow(self.chances[:n], self.seconds[m:m + self.max_nodes + 1])
 
 
 class DraftModel(Drafter):

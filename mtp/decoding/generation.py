@@ -14,6 +14,7 @@ from mtp.decoding.drafters import (
     DraftModel,
     Oracle,
     ParallelHeads,
+    ParallelHeadsDynamicTree,
     ParallelHeadsTree,
 )
 from mtp.decoding.engine import Context, new_cache, run
@@ -24,7 +25,7 @@ from mtp.decoding.request import HEAD_DECODERS, DecodeRequest
 from mtp.decoding.sampling import Sampling
 from mtp.decoding.stats import DecodeStats, Timer
 from mtp.decoding.stopper import Stop, Stopper
-from mtp.decoding.tree import Tree
+from mtp.decoding.tree import DynamicTree, Tree
 from mtp.model.transformer import MTPTransformer
 
 __all__ = ["generate"]
@@ -52,7 +53,7 @@ def generate(
     top_k: int | None = None,
     top_p: float | None = None,
     heads: int | None = None,
-    tree: Tree | None = None,
+    tree: Tree | DynamicTree | None = None,
     draft_model: MTPTransformer | None = None,
     gamma: int = 4,
     adaptive: bool | Adaptive = False,
@@ -81,7 +82,8 @@ def generate(
         top_k: sampling keeps the k most likely tokens.
         top_p: sampling keeps the nucleus of mass top_p.
         heads: heads used by `self-spec` and `tree`, 1..K (default K); h heads draft h - 1 tokens.
-        tree: the candidate tree of `tree` (default `Tree.from_widths([3, 2, 1, 1, ...])`).
+        tree: the candidate tree of `tree` (default `Tree.from_widths([3, 2, 1, 1, ...])`), or a
+            `DynamicTree` grown each round where the heads are sure (parallel heads).
         draft_model: the drafting model of `draft` (its head 1 is used; same vocabulary).
         gamma: tokens the draft model (or the oracle) proposes per round.
         adaptive: each round verifies only as many drafts as pay at the current batch size and
@@ -132,6 +134,9 @@ def generate(
                                     Lookup(lookup, lookup_ngram))
     elif decoder == "self-spec":
         drafter = CascadedHeads(model, heads) if model.cascaded else ParallelHeads(model, heads)
+    elif decoder == "tree" and isinstance(tree, DynamicTree):
+        drafter = ParallelHeadsDynamicTree(model, heads, tree,
+                                           Lookup(lookup, lookup_ngram) if lookup else None)
     elif decoder == "tree":
         tree = tree or Tree.from_widths([3, 2] + [1] * max(0, model.cfg.n_future - 3))
         drafter = CascadedHeads(model, heads, tree) if model.cascaded else \

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from mtp.decoding.names import DECODERS, HEAD_DECODERS, LOOKUP_TOKENS
-from mtp.decoding.tree import Tree
+from mtp.decoding.tree import DynamicTree, Tree
 from mtp.model.transformer import MTPTransformer
 from mtp.util.errors import UserError
 
@@ -96,8 +96,8 @@ class DecodeRequest:
     """Sampling keeps the nucleus of mass top_p."""
     heads: int | None = None
     """Heads used by `self-spec` and `tree`, 1..K (None: all K)."""
-    tree: Tree | None = None
-    """The candidate tree of `tree` (None: `generate`'s default)."""
+    tree: Tree | DynamicTree | None = None
+    """The candidate tree of `tree` (None: `generate`'s default), or a tree grown each round."""
     gamma: int = 4
     """Tokens the draft model (or the oracle) proposes per round."""
     lookup: int = 0
@@ -203,7 +203,11 @@ class DecodeRequest:
                 bad("lookup", "{lookup} beside cascaded heads (--model.head_type {head_type}) is "
                     "not supported; use parallel heads or {decoder} lookup",
                     head_type=cfg.head_type)
-            if d == "tree" and self.tree is not None and self.tree.depth:
+            if d == "tree" and isinstance(self.tree, DynamicTree) and model.cascaded:
+                bad("tree", "{tree} dynamic grows a tree from parallel heads; cascaded heads "
+                    "(--model.head_type {head_type}) take a fixed tree such as 3,2,1",
+                    head_type=cfg.head_type)
+            elif d == "tree" and isinstance(self.tree, Tree) and self.tree.depth:
                 widest = max(self.tree.widths())
                 ranked = cfg.draft_vocab or cfg.vocab_size  # the tokens heads 2..K rank
                 if widest > ranked:

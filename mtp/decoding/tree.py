@@ -1,5 +1,6 @@
 """Candidate trees: their shape, the index tensors that verify one, and choosing one from the
-heads' measured accuracies (Medusa's construction)."""
+heads' measured accuracies (Medusa's construction, a tree fixed for a whole call) or, each round,
+from the heads' own confidence (EAGLE-2's dynamic trees, `DynamicTree`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import torch
 
 from mtp.model.transformer import MTPTransformer
 
-__all__ = ["MAX_TREE_NODES", "Tree", "TreeTensors", "head_accuracy"]
+__all__ = ["MAX_TREE_NODES", "DynamicTree", "Tree", "TreeTensors", "best_first",
+           "head_accuracy"]
 
 #: The most nodes a tree may have: one forward verifies them all (Medusa's trees have ~64).
 MAX_TREE_NODES = 4096
@@ -76,17 +78,7 @@ class Tree:
         accuracy[d, r] = P(rank-r token of head d + 2 is the right one). Nodes are added best
         first; a child is never likelier than its parent, so the result is prefix-closed.
         """
-        acc = accuracy.double().clamp(0, 1).tolist()
-        heap = [(-acc[0][r], (r,)) for r in range(len(acc[0]))]
-        heapq.heapify(heap)
-        paths = []
-        while heap and len(paths) < n_nodes:
-            neg, path = heapq.heappop(heap)
-            paths.append(path)
-            if len(path) < len(acc):
-                for r, a in enumerate(acc[len(path)]):
-                    heapq.heappush(heap, (neg * a, path + (r,)))
-        return cls.from_paths(paths)
+        return cls.from_paths([path for _, path in best_first(accuracy, n_nodes)])
 
     @property
     def depth(self) -> int:
@@ -101,6 +93,59 @@ class Tree:
 
     def __str__(self) -> str:
         return f"{len(self.paths) - 1} nodes, depth {self.depth}, widths {self.widths()}"
+
+
+def best_first(accuracy: torch.Tensor, n_nodes: int) -> list[tuple[float, tuple[int, ...]]]:
+    """The n_nodes likeliest paths of ranks and their chances, likeliest first, where a path's
+    chance is the product of accuracy[d, r] over its ranks (accuracy (D, R): the chance that
+    the rank-r candidate at depth d + 1 is right). A child is never likelier than its parent,
+    so every prefix of the list is a tree."""
+    acc = accuracy.double().clamp(0, 1).tolist()
+    heap = [(-acc[0][r], (r,)) for r in range(len(acc[0]))] if acc else []
+    heapq.heapify(heap)
+    out = []
+    while heap and len(out) < n_nodes:
+        neg, path = heapq.heappop(heap)
+        out.append((-neg, path))
+        if len(path) < len(acc):
+            for r, a in enumerate(acc[len(path)]):
+                heapq.heappush(heap, (neg * a, path + (r,)))
+    return out
+
+
+@dataclass(frozen=True)
+class DynamicTree:
+    """A tree grown anew each round where the heads are sure (EAGLE-2's dynamic trees).
+
+    Each round takes the `top` candidates of every drafting head with their probabilities, adds
+    paths best first (a path's chance is the product of its tokens' probabilities,
+    `best_first`) and stops at the node count n that maximises expected tokens per second:
+    (1 + the sum of the n chances, the expected accepted drafts) over the measured time of a
+    forward over the round's tokens (`mtp.decoding.cost`), at most `max_nodes`. The tree is the
+    same for every row of a batch: their chances are averaged.
+    """
+
+    max_nodes: int = 32
+    """The most nodes a round's tree may have."""
+    top: int = 8
+    """Candidates of each head a round may use."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_nodes <= MAX_TREE_NODES or self.top < 1:
+            raise ValueError(f"a dynamic tree needs 1 <= max_nodes <= {MAX_TREE_NODES} and "
+                             f"top >= 1 (got {self.max_nodes}, {self.top})")
+
+    def grow(self, chances: torch.Tensor, seconds: Sequence[float]) -> Tree:
+        """The round's tree from the heads' candidate probabilities `chances` (D, top), where
+        `seconds[n]` is the verify forward's time with n tree nodes (its other tokens, the root
+        and any lookup branch, included)."""
+        paths = best_first(chances, min(self.max_nodes, len(seconds) - 1))
+        best, gain, n_best = 1.0 / seconds[0], 1.0, 0
+        for n, (chance, _) in enumerate(paths, start=1):
+            gain += chance
+            if gain / seconds[n] > best:
+                best, n_best = gain / seconds[n], n
+        return Tree.from_paths([path for _, path in paths[:n_best]])
 
 
 @dataclass

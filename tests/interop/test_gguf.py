@@ -92,6 +92,23 @@ def test_smollm2_self_speculation_with_a_draft_vocabulary_equals_greedy(smollm2_
     assert stats.tokens_per_forward > 1.0  # some drafts of the untrained heads were accepted
 
 
+def test_smollm2_dynamic_trees_equal_greedy(smollm2_mtp):
+    """Trees grown each round from the heads' confidence, with and without prompt lookup's
+    branch, on the real model: greedy's tokens."""
+    from mtp.decoding.generation import generate
+    from mtp.decoding.tree import DynamicTree
+
+    model, tokenizer = smollm2_mtp
+    prompts = [tokenizer.encode('def is_prime(n):\n    """Return True if n is prime."""\n').ids]
+    eot = tokenizer.token_to_id(model.cfg.eot_token)
+    with torch.no_grad():
+        want, _ = generate(model, prompts, 24, decoder="greedy", eot_id=eot)
+        for lookup in (0, 8):
+            got, _ = generate(model, prompts, 24, decoder="tree", tree=DynamicTree(max_nodes=16),
+                              lookup=lookup, eot_id=eot)
+            assert got == want, lookup
+
+
 def _write_gguf(path: Path, *, arch: str = "llama", quant: str = "F32") -> Path:
     """A two-layer model of width 32 written as llama.cpp's converter writes one (random
     weights, a byte-level vocabulary of the 256 bytes and an end-of-text token)."""

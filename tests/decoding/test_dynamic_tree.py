@@ -1,0 +1,105 @@
+"""Dynamic trees (`DynamicTree`, `ParallelHeadsDynamicTree`): each round's tree is the set of
+likeliest paths whose size maximises expected tokens per second, and greedy output is unchanged
+whatever tree a round grows."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from decoding_helpers import cyclic_prompts, random_model, random_prompts, train_cyclic
+
+from mtp.decoding import generate
+from mtp.decoding.cost import verify_seconds
+from mtp.decoding.tree import DynamicTree, Tree, best_first
+
+
+def _brute_force(chances: torch.Tensor, seconds: list[float], max_nodes: int) -> tuple:
+    """Every prefix-closed set of paths up to max_nodes nodes, scored by (1 + the sum of its
+    paths' chances) / seconds[its size]: the best score and the sets that reach it."""
+    depth, top = chances.shape
+    paths = [p for d in range(1, depth + 1) for p in itertools.product(range(top), repeat=d)]
+    chance = {p: float(torch.prod(chances[torch.arange(len(p)), torch.tensor(p)])) for p in paths}
+    best, argbest = -1.0, []
+    for n in range(max_nodes + 1):
+        for subset in itertools.combinations(paths, n):
+            chosen = set(subset)
+            if any(p[:-1] and p[:-1] not in chosen for p in chosen):
+                continue
+            rate = (1 + sum(chance[p] for p in chosen)) / seconds[n]
+            if rate > best + 1e-12:
+                best, argbest = rate, [chosen]
+            elif abs(rate - best) <= 1e-12:
+                argbest.append(chosen)
+    return best, argbest
+
+
+@pytest.mark.parametrize("slope", [0.0, 0.02, 0.2, 2.0])
+def test_the_grown_tree_is_the_best_tree_for_the_measured_cost(slope):
+    """Against every tree of at most 5 nodes over 2 heads' top 3: the tree grown has the best
+    expected tokens per second, whatever the forward's cost per token."""
+    g = torch.Generator().manual_seed(0)
+    chances = torch.rand(2, 3, generator=g).sort(descending=True).values * 0.9
+    seconds = [1.0 + slope * n for n in range(6)]
+    tree = DynamicTree(max_nodes=5, top=3).grow(chances, seconds)
+    nodes = set(tree.paths[1:])
+    best, argbest = _brute_force(chances, seconds, 5)
+    assert nodes in argbest
+    if slope == 0.0:  # a free node is always worth its chance
+        assert len(nodes) == 5
+    if slope == 2.0:  # no node is worth twice the forward
+        assert nodes == set()
+
+
+def test_best_first_lists_paths_by_chance_and_every_prefix_is_a_tree():
+    chances = torch.tensor([[0.6, 0.3, 0.1], [0.5, 0.4, 0.1]])
+    listed = best_first(chances, 12)
+    values = [c for c, _ in listed]
+    assert values == sorted(values, reverse=True)
+    for n in range(len(listed) + 1):
+        Tree.from_paths([p for _, p in listed[:n]])  # raises if a path lacks its parent
+    assert listed[0] == (pytest.approx(0.6), (0,)) and listed[1][1] == (0, 0)
+
+
+@pytest.fixture(scope="module")
+def cyclic():
+    """Heads trained to be right most of the time (`train_cyclic`)."""
+    return train_cyclic()[0]
+
+
+@pytest.mark.parametrize("lookup", [0, 4])
+def test_dynamic_trees_decode_exactly_greedys_tokens(cyclic, lookup):
+    """A batch of prompts of different lengths: the output equals greedy's token for token, and
+    the heads' drafts are accepted."""
+    model = cyclic
+    prompts = cyclic_prompts(model, 6, seed=3)
+    want, _ = generate(model, prompts, 30)
+    got, stats = generate(model, prompts, 30, decoder="tree", tree=DynamicTree(max_nodes=16),
+                          lookup=lookup)
+    assert got == want
+    assert stats.tokens_per_forward > 1.5
+
+
+def test_dynamic_trees_of_untrained_heads_keep_greedys_output():
+    model = random_model(0)
+    prompts = random_prompts(4, model.cfg.vocab_size, seed=1)
+    want, _ = generate(model, prompts, 20)
+    got, _ = generate(model, prompts, 20, decoder="tree", tree=DynamicTree(max_nodes=8, top=3))
+    assert got == want
+
+
+def test_the_verify_cost_is_measured_once_per_model_and_batch():
+    model = random_model(0)
+    first = verify_seconds(model, 1, 10)
+    assert len(first) == 10 and all(s > 0 for s in first)
+    assert verify_seconds(model, 1, 10) is first  # kept, not measured again
+    assert verify_seconds(model, 2, 10) is not first
+
+
+def test_cascaded_heads_are_refused_a_dynamic_tree_naming_the_flag():
+    from mtp.decoding import RequestError
+
+    model = random_model(0, head_type="deepseek")
+    with pytest.raises(RequestError, match="dynamic grows a tree from parallel heads"):
+        generate(model, [[1, 2, 3]], 4, decoder="tree", tree=DynamicTree())
