@@ -344,6 +344,10 @@ class OptimConfig:
     """With `train: heads`: memory (MiB) for the frozen trunk's outputs (and self-distillation
     targets) of the training windows, computed once and reused in later epochs
     (`mtp.train.frozen_trunk`); 0 recomputes them every step."""
+    trunk_cache_dir: str | None = None
+    """With `train: heads`: keep the frozen trunk's outputs on disk here instead, in half
+    precision, memory-mapped, for this run's later epochs and for every later run of the same
+    model, targets and window length (a folder per such combination)."""
 
     def __post_init__(self) -> None:
         p = []

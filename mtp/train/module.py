@@ -66,7 +66,8 @@ class MTPModule(L.LightningModule):
             return None
         if self.trunk_cache is None:
             self.trunk_cache = FrozenTrunk(self.model, targets=self.loss_cfg.targets,
-                                           max_bytes=self.optim_cfg.trunk_cache_mb << 20)
+                                           max_bytes=self.optim_cfg.trunk_cache_mb << 20,
+                                           folder=self.optim_cfg.trunk_cache_dir)
         return self.trunk_cache
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:

@@ -72,10 +72,10 @@ def test_the_cache_computes_each_window_once_within_its_budget(monkeypatch):
     assert torch.equal(h2[2], h1[1]) and torch.equal(t2[:, 2], t1[:, 1])
     fresh = FrozenTrunk(model, targets="self", max_bytes=0)._compute(windows[[4, 5]])
     assert torch.equal(h2[[1, 3]], fresh[0]) and torch.equal(t2[:, [1, 3]], fresh[1])
-    per_window = cache.bytes // 6
+    per_window = cache.store.bytes // 6
     small = FrozenTrunk(model, targets="self", max_bytes=2 * per_window)
     small(windows)
-    assert len(small.entries) == 2 and small.bytes <= 2 * per_window
+    assert len(small.store.entries) == 2 and small.store.bytes <= 2 * per_window
 
 
 def test_greedy_targets_are_the_greedy_continuation_where_the_data_follow_it():
@@ -102,3 +102,46 @@ def test_greedy_targets_are_the_greedy_continuation_where_the_data_follow_it():
             assert targets[i, 0, t] == want, (t, i)
             on, off = on + (follows and i > 0), off + (not follows)
     assert on > 10 and off > 3  # both cases occur
+
+
+def test_features_kept_on_disk_equal_recomputed_ones(tmp_path, monkeypatch):
+    """`--optim.trunk_cache_dir`: a later run of the same frozen model reads every window back
+    from disk without running the trunk, and what it reads is the trunk's output rounded to
+    half precision, the targets exactly."""
+    model = _frozen_model("block")
+    windows = torch.randint(0, 97, (5, 16 + 3))
+    first = FrozenTrunk(model, targets="greedy", max_bytes=0, folder=tmp_path)
+    h1, _, t1 = first(windows)
+    first.store.close()
+    later = FrozenTrunk(model, targets="greedy", max_bytes=0, folder=tmp_path)
+    monkeypatch.setattr(later, "_compute", lambda w: pytest.fail("the trunk ran again"))
+    h2, _, t2 = later(windows[[4, 0, 2]])
+    assert (later.hits, later.misses) == (3, 0)
+    fresh_h, fresh_t = FrozenTrunk(model, targets="greedy", max_bytes=0)._compute(windows)
+    assert torch.equal(h2, fresh_h[[4, 0, 2]].half().float())
+    assert torch.equal(t2, fresh_t[:, [4, 0, 2]])
+    assert torch.equal(h2, h1[[4, 0, 2]])  # the first run trained on the same rounded features
+
+
+def test_the_disk_store_is_per_model_and_survives_a_torn_row(tmp_path):
+    model = _frozen_model("block")
+    windows = torch.randint(0, 97, (3, 16 + 3))
+    cache = FrozenTrunk(model, targets="data", max_bytes=0, folder=tmp_path)
+    cache(windows)
+    cache.store.close()
+    folder = cache.store.folder
+    # a run killed while writing a row: features of a fourth row, its key never written
+    with open(folder / "features.f16", "ab") as f:
+        f.write(b"\0" * 100)
+    again = FrozenTrunk(model, targets="data", max_bytes=0, folder=tmp_path)
+    again(windows)
+    assert (again.hits, again.misses) == (3, 0)
+    assert (folder / "features.f16").stat().st_size == 3 * 16 * 32 * 2
+    # another model (or other targets) has a folder of its own
+    other = _frozen_model("medusa")
+    elsewhere = FrozenTrunk(other, targets="data", max_bytes=0, folder=tmp_path)
+    elsewhere(windows)
+    assert elsewhere.misses == 3 and elsewhere.store.folder != folder
+    data_vs_self = FrozenTrunk(model, targets="self", max_bytes=0, folder=tmp_path)
+    data_vs_self(windows)
+    assert data_vs_self.misses == 3
