@@ -12,6 +12,9 @@ at evaluation. Every line of the output is ``{"text": prompt + answer, "request"
 ...}``, the text as the model saw and wrote it, for `mtp fit --data.source FILE --data.text_field
 text` with `--loss.targets greedy` (where the text follows the model's greedy path, which is
 nearly everywhere in its own answers, every head learns the exact token speculation accepts).
+`--style continue` asks no chat at all: the model continues windows of the code itself, every
+prompt of a batch of one length, so more of the machine's time goes to new tokens.
+Each batch prints the new tokens per second so far.
 
 Lines are appended a batch at a time and flushed; a rerun with the same arguments continues after
 the last complete line, so an interrupted run loses at most one batch. One run at a time writes an
@@ -27,12 +30,13 @@ import os
 import random
 import sys
 import sysconfig
+import time
 from pathlib import Path
 
 __all__ = ["STYLES", "main", "requests"]
 
 _REQUEST = "Write a Python function `{name}({args})` that does the following:\n\n{doc}"
-STYLES = ("write", "benchmark")
+STYLES = ("write", "benchmark", "continue")
 
 
 def _benchmark_request(node: ast.FunctionDef, doc: str, mbpp: bool) -> str:
@@ -88,6 +92,23 @@ def requests(root: Path, n: int, seed: int, style: str = "write") -> list[str]:
     return found[:n]
 
 
+def prefixes(root: Path, n: int, seed: int, tokenize, length: int) -> list[list[int]]:
+    """n windows of `length` tokens of the .py files under `root`, at most one every
+    4 * `length` tokens of a file, in a seeded random order: prompts for `--style continue`,
+    which asks for no chat at all and gives every prompt of a batch the same length."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if any(part in ("test", "tests", "idlelib", "site-packages") for part in path.parts):
+            continue
+        try:
+            ids = tokenize(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, ValueError, OSError):
+            continue
+        found += [ids[i:i + length] for i in range(0, len(ids) - length + 1, 4 * length)]
+    random.Random(seed).shuffle(found)
+    return found[:n]
+
+
 def _load(model_arg: str, max_seq_len: int):
     """An mtp checkpoint or export, or a pretrained model (`--model.init_from`'s forms)."""
     from mtp.config import ModelConfig
@@ -134,10 +155,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=0, help="order of the requests")
     p.add_argument("--style", choices=STYLES, default="write",
                    help="requests as 'write this function' with its docstring, or in the words "
-                        "mtp eval --prompt-format chat uses for HumanEval and MBPP tasks")
+                        "mtp eval --prompt-format chat uses for HumanEval and MBPP tasks; or "
+                        "`continue`: no request, the model's continuation of --prefix-tokens "
+                        "tokens of the --source files' code")
+    p.add_argument("--prefix-tokens", type=int, default=128,
+                   help="with --style continue: the tokens of code each continuation follows")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     args = p.parse_args(argv)
-    for flag in ("requests", "max_new_tokens", "batch_size"):
+    for flag in ("requests", "max_new_tokens", "batch_size", "prefix_tokens"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1 (got {getattr(args, flag)})")
     source = Path(args.source)
@@ -146,8 +171,9 @@ def main(argv: list[str]) -> int:
     out = Path(args.out)
     if out.is_dir():
         p.error(f"--out {out} is a directory; give the .jsonl file to write")
-    todo = requests(source, args.requests, args.seed, args.style)
-    if not todo:
+    todo = [] if args.style == "continue" else requests(source, args.requests, args.seed,
+                                                         args.style)
+    if not todo and args.style != "continue":
         p.error(f"--source {source} has no documented public functions")
 
     import torch
@@ -165,9 +191,20 @@ def main(argv: list[str]) -> int:
     except ExportError as err:  # a pretrained model that cannot be read; the message says why
         p.error(f"--model {str(err).removeprefix('--model.init_from ')}")
     cfg = model.cfg
-    if not cfg.chat_template:
-        p.error(f"--model {args.model} has no chat template to put the requests in")
-    chat = ChatTemplate(cfg.chat_template, eos_token=cfg.eot_token)
+    if args.style == "continue":
+        todo = prefixes(source, args.requests, args.seed, lambda t: tokenizer.encode(t).ids,
+                        args.prefix_tokens)
+        if not todo:
+            p.error(f"--source {source} has no file of --prefix-tokens {args.prefix_tokens} "
+                    "tokens or more")
+        texts = [tokenizer.decode(ids, skip_special_tokens=False) for ids in todo]
+        prompts, requests_of = todo, [None] * len(todo)
+    else:
+        if not cfg.chat_template:
+            p.error(f"--model {args.model} has no chat template to put the requests in")
+        chat = ChatTemplate(cfg.chat_template, eos_token=cfg.eot_token)
+        texts = [chat.render([{"role": "user", "content": r}]) for r in todo]
+        prompts, requests_of = [tokenizer.encode(x).ids for x in texts], todo
     out.parent.mkdir(parents=True, exist_ok=True)
     eot = eot_id(tokenizer, cfg)
     with open(out, "a", encoding="utf-8") as f:
@@ -175,23 +212,24 @@ def main(argv: list[str]) -> int:
         if not lock(f, blocking=False):
             p.error(f"--out {out} is being written by another mtp distill; wait for it to end, "
                     "or choose another --out")
-        start = _done(out)
+        start, written, began = _done(out), 0, time.perf_counter()
         for b in range(start, len(todo), args.batch_size):
-            batch = todo[b:b + args.batch_size]
-            prompts = [chat.render([{"role": "user", "content": r}]) for r in batch]
+            batch = range(b, min(b + args.batch_size, len(todo)))
             with torch.no_grad():
-                new, _ = generate(model, [tokenizer.encode(x).ids for x in prompts],
-                                  args.max_new_tokens, decoder="greedy", eot_id=eot)
-            for request, prompt, ids in zip(batch, prompts, new):
+                new, _ = generate(model, [prompts[i] for i in batch], args.max_new_tokens,
+                                  decoder="greedy", eot_id=eot)
+            for i, ids in zip(batch, new):
                 finished = bool(ids) and ids[-1] == eot
                 answer = tokenizer.decode(ids[:-1] if finished else ids,
                                           skip_special_tokens=False)
-                f.write(json.dumps({"text": prompt + answer, "request": request,
+                f.write(json.dumps({"text": texts[i] + answer, "request": requests_of[i],
                                     "finished": finished}) + "\n")
             f.flush()
             os.fsync(f.fileno())
-            print(f"{min(b + args.batch_size, len(todo))}/{len(todo)} requests answered",
-                  file=sys.stderr, flush=True)
+            written += sum(map(len, new))
+            seconds = time.perf_counter() - began
+            print(f"{min(b + args.batch_size, len(todo))}/{len(todo)} requests answered, "
+                  f"{written / seconds:.0f} new tokens/s", file=sys.stderr, flush=True)
     return 0
 
 

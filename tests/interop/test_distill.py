@@ -162,3 +162,28 @@ def test_an_unreadable_model_a_folder_as_out_and_an_out_in_use_are_refused(setup
             main([*base, "--model", str(tmp / "m.ckpt"), "--out", str(out)])
     assert "is being written by another mtp distill" in capsys.readouterr().err
     assert out.read_text() == ""
+
+
+def test_continue_style_writes_the_greedy_continuations_of_code(setup):
+    """`--style continue`: no chat template, no request; each line is a window of the source's
+    code and the model's greedy continuation of it, every window of the same length."""
+    from mtp.interop.distill import prefixes
+
+    tmp, src, model, tok = setup
+    (src / "long.py").write_text(SOURCE * 8)
+    windows = prefixes(src, 5, 0, lambda t: tok.encode(t).ids, 16)
+    assert windows and all(len(w) == 16 for w in windows)
+    assert windows == prefixes(src, 5, 0, lambda t: tok.encode(t).ids, 16)
+    out = tmp / "c.jsonl"
+    assert main(["distill", "--model", str(tmp / "m.ckpt"), "--out", str(out), "--source",
+                 str(src), "--style", "continue", "--prefix-tokens", "16", "--requests", "5",
+                 "--max-new-tokens", "6", "--batch-size", "2"]) == 0
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(lines) == len(windows)
+    eot = tok.token_to_id("<|im_end|>")
+    for row, ids in zip(lines, windows):
+        (new,), _ = generate(model, [ids], 6, decoder="greedy", eot_id=eot)
+        finished = new[-1] == eot
+        text = tok.decode(ids, skip_special_tokens=False) + tok.decode(
+            new[:-1] if finished else new, skip_special_tokens=False)
+        assert row == {"text": text, "request": None, "finished": finished}
