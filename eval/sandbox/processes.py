@@ -1,8 +1,9 @@
 """One sandboxed interpreter of a sample (:class:`SandboxedProcess`): its files and command line,
 waiting on it, and killing it with everything it started (:func:`kill_all`).
 
-Each interpreter runs a program compiled here once: :mod:`mtp.eval.wire`, :mod:`mtp.eval.inside`
-and the call of one of the latter's entry points.
+Each interpreter runs a program compiled here once: :mod:`mtp.eval.wire`,
+:mod:`mtp.eval.sandbox.confine`, :mod:`mtp.eval.inside` and the call of one of the latter's entry
+points on the folder that :func:`~mtp.eval.sandbox.confine.confine` leaves it in.
 """
 
 from __future__ import annotations
@@ -20,11 +21,17 @@ import time
 from pathlib import Path
 
 from mtp.eval import wire
-from mtp.eval.sandbox.isolation import SAMPLE_ENV, Isolation, sample_python, wrapper_command
+from mtp.eval.sandbox.isolation import (
+    SAMPLE_ENV,
+    SAMPLE_UIDS,
+    Isolation,
+    confine_orders,
+    confine_source,
+    sample_python,
+    wrapper_command,
+)
 from mtp.eval.sandbox.limits import Limits, join_cgroup_command
 
-# Per-sample uids are drawn from a range that no distribution allocates to real users.
-_UID_RANGE = (2_000_000_000, 2_100_000_000)
 _TICKS = os.sysconf("SC_CLK_TCK")
 # The programs that wrap a sample's interpreter (`wrapper_command`).
 _WRAPPERS = ("bwrap", "unshare")
@@ -154,14 +161,17 @@ def _site_packages() -> list[str]:
 
 
 @functools.cache
-def _program(entry: str) -> bytes:
+def _program(entry: str, confine: str) -> bytes:
     """What a sandboxed interpreter runs, compiled once here rather than at every start: its
-    ``sys.path``, :mod:`mtp.eval.wire`, :mod:`mtp.eval.inside`, then the call of one of the
-    latter's entry points. The sample interpreter is this one's base, so the bytecode fits."""
+    ``sys.path``, :mod:`mtp.eval.wire`, :mod:`mtp.eval.sandbox.confine`, :mod:`mtp.eval.inside`,
+    then the call of one of the latter's entry points on what ``confine`` (its orders the
+    literal `confine`) returns. The sample interpreter is this one's base, so the bytecode
+    fits."""
     eval_dir = Path(__file__).parents[1]  # mtp.eval's folder
     source = "\n".join([f"import sys\nsys.path.extend({_site_packages()!r})",
-                        (eval_dir / "wire.py").read_text(), (eval_dir / "inside.py").read_text(),
-                        f"{entry}(sys.argv[1])", ""])
+                        (eval_dir / "wire.py").read_text(), confine_source(),
+                        (eval_dir / "inside.py").read_text(),
+                        f"{entry}(confine(sys.argv[1], {confine}))", ""])
     return marshal.dumps(compile(source, "<mtp.eval.inside>", "exec", dont_inherit=True))
 
 
@@ -172,24 +182,26 @@ _BOOT = "import marshal; exec(marshal.loads(open('.program', 'rb').read()))"
 class SandboxedProcess:
     """One sandboxed interpreter of a sample, running an entry point of :mod:`mtp.eval.inside`.
 
-    It gets its own directory (``/tmp`` inside bwrap), its own uid where the isolation gives
-    fresh uids, its orders in ``.orders``, and only the pipe ends named in `fds`; `confined`,
-    the view of the filesystem that :func:`~mtp.eval.sandbox.isolation.wrapper_command` gives
-    untrusted code.
+    It gets its own directory (``/tmp`` inside bwrap, and for the completion under unshare),
+    its own uid where the isolation gives fresh uids, its orders in ``.orders``, and only the
+    pipe ends named in `fds`; `confined`: it runs the completion, so it gets the view of the
+    filesystem that :func:`~mtp.eval.sandbox.isolation.wrapper_command` gives untrusted code,
+    and a read-only host (:func:`~mtp.eval.sandbox.isolation.confine_orders`).
     """
 
     def __init__(self, base: str, name: str, entry: str, files: dict[str, str], orders: dict,
                  fds: tuple[int, ...], rlimits: dict, limits: Limits, isolation: Isolation,
                  cgroup: Path | None = None, confined: bool = False) -> None:
         self.tag = "mtp-sample-" + secrets.token_hex(8)
-        self.uid = secrets.choice(range(*_UID_RANGE)) if isolation.fresh_uid else None
+        self.uid = secrets.choice(range(*SAMPLE_UIDS)) if isolation.fresh_uid else None
         self.workdir = os.path.join(base, name)
         self.out_path = os.path.join(base, name + ".out")
         os.mkdir(self.workdir, 0o700)
         if self.uid is not None:
             os.chown(self.workdir, self.uid, self.uid)
         orders = {**orders, "rlimits": rlimits, "uid": self.uid}
-        files = {".orders": wire.encode(orders), ".program": _program(entry),
+        confine = repr(confine_orders(isolation, confined, limits.file_bytes))
+        files = {".orders": wire.encode(orders), ".program": _program(entry, confine),
                  **{name: text.encode("utf-8", "surrogatepass") for name, text in files.items()}}
         for file, data in files.items():
             with open(os.path.join(self.workdir, file), "wb") as f:
@@ -201,7 +213,8 @@ class SandboxedProcess:
             prefix = join_cgroup_command(cgroup) + prefix
         inner = "/tmp" if isolation.method == "bwrap" else self.workdir
         cmd = prefix + [sample_python(), "-I", "-S", "-B", "-c", _BOOT, inner, self.tag]
-        with open(self.out_path, "wb") as out:
+        # Closed to other uids: under a bare process another sample's could read it.
+        with open(self.out_path, "wb", opener=lambda p, f: os.open(p, f, 0o600)) as out:
             self.proc = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                 pass_fds=fds, start_new_session=True, cwd=self.workdir,

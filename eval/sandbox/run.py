@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mtp.eval import wire
+from mtp.eval.sandbox.confine import CONFINE_FAILED
 from mtp.eval.sandbox.isolation import Isolation, detect_isolation
 from mtp.eval.sandbox.limits import Limits, MemoryCgroups, memory_cgroups, rlimits
 from mtp.eval.sandbox.processes import SandboxedProcess, kill_all, remove_workdir
@@ -129,6 +130,9 @@ def run_program(
     cpu = limits.cpu_seconds or limits.timeout
     names = list(proxied if proxied is not None else [entry_point])
     base = tempfile.mkdtemp(prefix="mtp-sbx-")
+    if isolation.fresh_uid and isolation.method != "bwrap":
+        # The sample's uids reach their folders by path here (bwrap binds them at /tmp).
+        os.chmod(base, 0o711)
     pipes: list[int] = []
     procs: list[SandboxedProcess] = []
     cgroup = None
@@ -164,7 +168,8 @@ def run_program(
         left = sample.left_running() if found and found[-1].get("status") == "passed" else 0
         statuses = kill_all(procs)  # whatever happened, nothing of the sample survives
         duration = time.monotonic() - start
-        output = sample.output(limits.output_bytes)
+        outputs = [p.output(limits.output_bytes) for p in procs]
+        output = outputs[0]
     except OSError as e:
         kill_all(procs)
         return ExecResult(False, "error", f"could not run the sample: {e}",
@@ -185,6 +190,11 @@ def run_program(
         return ExecResult(False, "timeout", f"used more than {math.ceil(cpu)} s of CPU{where}",
                           duration, output, tag)
     verdict = found[-1] if found and found[-1].get("status") in VERDICTS else None
+    if (isolation.method != "bwrap" and CONFINE_FAILED in statuses
+            and not (verdict and verdict["status"] == "passed")):
+        said = outputs[statuses.index(CONFINE_FAILED)].splitlines()
+        return ExecResult(False, "error", said[-1] if said else "the sandbox could not be set up",
+                          duration, output, tag)
     if verdict is not None and verdict["status"] == "passed":
         if left:
             return ExecResult(False, "failed", f"left {left} process(es) running", duration,

