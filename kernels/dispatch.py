@@ -34,6 +34,8 @@ tiles in one place (``_plan``); the per-row gradient scale (``_row_factor``) and
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import Tensor
 
@@ -41,6 +43,8 @@ from .backward import torch_forward_backward, triton_backward
 from .forward import TritonConfig, default_config, torch_forward, triton_forward
 from .reference import Reduction
 from .validate import Impl, check_inputs
+
+log = logging.getLogger(__name__)
 
 # ----------------------------------------------------------------------------------------------
 # Chunk and tiles; gradient scale and reduction
@@ -80,9 +84,25 @@ def _plan(
     launch an empty grid, and the torch path gives loss 0 and zero gradients."""
     n, vocab = hidden.shape[0], weight.shape[0]
     if impl == "triton" and n > 0:
+        _announce("triton", hidden)
         chunk = chunk_size or _default_chunk(n, vocab, "triton", hidden.element_size())
         return "triton", chunk, config or default_config(hidden.dtype, hidden.device)
+    _announce("torch", hidden)
     return "torch", chunk_size or _default_chunk(n, vocab, "torch", 4), None
+
+
+_announced: set[tuple[str, str, torch.dtype]] = set()
+
+
+def _announce(impl: str, hidden: Tensor) -> None:
+    """Log at INFO, once per process for each implementation, device type and dtype, which
+    implementation runs: a run can then show that its loss took the Triton kernels rather than
+    the torch path (`scripts/gpu_check.sh` asserts it of `mtp fit` on CUDA)."""
+    key = (impl, hidden.device.type, hidden.dtype)
+    if key not in _announced:
+        _announced.add(key)
+        log.info("linear cross-entropy: %s implementation on %s %s tensors", impl,
+                 hidden.device.type, str(hidden.dtype).removeprefix("torch."))
 
 
 def _row_factor(
