@@ -73,8 +73,13 @@ def packed_linears(*models: nn.Module | None) -> Iterator[None]:
     """Within the block, every `nn.Linear` of `models` that :func:`can_pack` multiplies by its
     packed weight wherever gradients are off and its input is fp32 on the CPU (elsewhere it runs
     as before). On exit the modules are as they were. Models on another device, in another
-    dtype, or None are left alone."""
+    dtype, or None are left alone.
+
+    Compiled modules (`--compile.enabled`) run eagerly within the block: inductor cannot compile
+    the packed product, whose weight is an input rather than a constant, and the decode loop is
+    not compiled anyway (`mtp.decoding.engine`)."""
     with ExitStack() as stack:
+        stack.enter_context(torch.compiler.set_stance("force_eager"))
         for model in models:
             if model is None:
                 continue
