@@ -202,6 +202,52 @@ def _note_context_length(completer, max_new_tokens: int) -> None:
               f"{max_new_tokens}", file=sys.stderr)
 
 
+#: Bytes one generated sample's records hold at least (its completion and scored records, their
+#: dictionaries and strings), before its text: what `--n-samples` multiplies.
+SAMPLE_BYTES = 512
+
+
+def _check_generation(args: argparse.Namespace, decoder: str, tasks: int) -> None:
+    """Before anything loads: the sampling flags by the one validator of a decode request
+    (`mtp.decoding.DecodeRequest`; `mtp.eval.completer` samples with the greedy and sample
+    decoders as the temperature says), `--seed` in range, and the records of `--n-samples`
+    within the memory available."""
+    from mtp.config import seed_problem
+    from mtp.decoding.cli import request_problems
+    from mtp.decoding.request import DecodeRequest
+    from mtp.model.memory import format_bytes
+    from mtp.util.environment import available_memory
+
+    sampled = args.temperature != 0
+    used = ("sample" if sampled else "greedy") if decoder in ("greedy", "sample") else decoder
+    request = DecodeRequest(max_new_tokens=args.max_new_tokens, decoder=used,
+                            temperature=args.temperature if sampled else None,
+                            top_p=args.top_p if sampled and args.top_p != 1 else None)
+    problems = request_problems([request])
+    if (problem := seed_problem("--seed", args.seed)) is not None:
+        problems.append(problem)
+    need, available = tasks * args.n_samples * SAMPLE_BYTES, available_memory("cpu")
+    if need > available:
+        problems.append(f"--n-samples {args.n_samples}: {tasks} tasks x {args.n_samples} "
+                        f"samples hold at least {format_bytes(need)} of records, more than the "
+                        f"{format_bytes(available)} of memory available")
+    if problems:
+        raise DataError("; ".join(problems))
+
+
+def _check_decode_batch(completer, args: argparse.Namespace, prompts: int) -> None:
+    """After the model loads, before it decodes: the KV cache and logits of `--batch-size`
+    prompts at once (at most `prompts`) within the memory of `--device`."""
+    from mtp.model.memory import check_memory, inference_need
+    from mtp.util.environment import available_memory
+
+    rows = min(args.batch_size, prompts)
+    device = "cuda" if str(args.device).startswith("cuda") else "cpu"
+    check_memory(lambda c, sizes: inference_need(c, batch_size=sizes["--batch-size"]),
+                 completer.model.cfg, {"--batch-size": rows}, available_memory(device),
+                 doing=f"decoding {rows} prompts at once", where=f"on {args.device}")
+
+
 def _run(args: argparse.Namespace, held: ExitStack) -> int:
     name = benchmark_name(args)
     for flag, path in (("--ckpt", args.ckpt), ("--draft-ckpt", args.draft_ckpt)):
@@ -228,6 +274,8 @@ def _run(args: argparse.Namespace, held: ExitStack) -> int:
                             f"gives one completion, which pass@k would count {args.n_samples} "
                             "times as independent samples; sample with --temperature > 0, or "
                             "use --n-samples 1")
+        _check_generation(args, decoder, min(args.limit or len(benchmark.tasks),
+                                             len(benchmark.tasks)))
     isolation = detect_isolation(args.isolation, allow_root=args.unsafe_completions_as_root)
     if args.output is not None:
         held.enter_context(claimed(args.output))  # before its results are checked or written
@@ -264,6 +312,7 @@ def _run(args: argparse.Namespace, held: ExitStack) -> int:
         extra = {"draft_ckpt": args.draft_ckpt} if args.draft_ckpt else {}
         completer = load_completer(args.ckpt, decoder=decoder, device=args.device,
                                    batch_size=args.batch_size, **extra)
+        _check_decode_batch(completer, args, len(benchmark.tasks) * args.n_samples)
         if is_chat(fmt):
             if completer.chat_template is None:
                 raise DataError(f"--prompt-format chat needs the model's chat template, and "

@@ -24,6 +24,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mtp.util.paths import not_a_file
+
 __all__ = [
     "Benchmark",
     "DataError",
@@ -123,8 +125,11 @@ def read_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
 
 
 def _require(path: Path, what: str, how: str) -> Path:
-    if not path.is_file():
+    problem = not_a_file(path)
+    if problem == "does not exist":
         raise DataError(f"{what} data file not found: {path}. To run offline, {how}.")
+    if problem is not None:
+        raise DataError(f"{what} data file {path} {problem}, not a data file")
     return path
 
 

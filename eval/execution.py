@@ -218,7 +218,8 @@ def calibrate(
                                   f"({result.outcome}: {result.error[:200]}); its samples run "
                                   f"without a calibrated CPU limit", stacklevel=2)
                 known[_task_key(task)] = {"cpu": None if cpu is None else round(cpu, 4)}
-        write_json(path, {"machine": key, "tasks": known}, indent=0, sort_keys=True)
+        write_json(path, {"machine": key, "tasks": known}, indent=0, sort_keys=True,
+                   what="the cache of reference solution times")
     return Calibration({t.task_id: known[_task_key(t)]["cpu"] for t in tasks}, path)
 
 

@@ -41,7 +41,8 @@ from mtp.eval.prompts import build_prompt, default_format, extract, is_chat, sto
 from mtp.eval.sandbox import ExecResult, Isolation, Limits, detect_isolation
 from tqdm import tqdm
 
-from mtp.util.atomic import write_json
+from mtp.util.atomic import AppendOnlyFile, write_json
+from mtp.util.paths import not_a_file
 
 __all__ = [
     "Completer",
@@ -101,40 +102,36 @@ def default_workers() -> int:
 
 
 class JsonlLog:
-    """An append-only JSONL file that survives crashes.
+    """An append-only JSONL file that survives crashes and full disks
+    (`mtp.util.atomic.AppendOnlyFile`).
 
     Opening it reads the existing records; a final line without its newline (a crash in the
     middle of a write) is dropped by truncating the file back to the last complete line. Every
-    record is written as one line, then flushed and fsynced.
+    record is written as one line in one call, then fsynced; a write that fails (a full disk, a
+    quota) is cut back and named (`WriteError`), so the lines before it stay whole and a rerun
+    with room goes on after them.
     """
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, what: str = "records"):
         self.path = Path(path)
         self.records: list[dict] = []
         self._lock = threading.Lock()
-        if self.path.exists():
-            data = self.path.read_bytes()
-            end = data.rfind(b"\n") + 1
-            if end < len(data):
-                warnings.warn(f"{self.path}: dropping an incomplete last line "
-                              f"({len(data) - end} bytes, from an interrupted run)", stacklevel=2)
-                os.truncate(self.path, end)
-            if end:
-                self.records = [obj for _, obj in read_jsonl(self.path)]
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self._file = AppendOnlyFile(self.path, what)
+        if self._file.torn:
+            warnings.warn(f"{self.path}: dropping an incomplete last line "
+                          f"({self._file.torn} bytes, from an interrupted run)", stacklevel=2)
+        if self._file.size:
+            self.records = [obj for _, obj in read_jsonl(self.path)]
 
     def append(self, record: dict) -> None:
         """Write one record durably (thread-safe)."""
         line = json.dumps(record, ensure_ascii=False) + "\n"
         try:
-            line.encode("utf-8")
+            data = line.encode("utf-8")
         except UnicodeEncodeError:  # a lone surrogate, e.g. in a completion's exception message
-            line = json.dumps(record) + "\n"  # as a \u escape: the same string, valid UTF-8
+            data = (json.dumps(record) + "\n").encode()  # as a \u escape: the same string
         with self._lock:
-            self._file.write(line)
-            self._file.flush()
-            os.fsync(self._file.fileno())
+            self._file.append(data)
             self.records.append(record)
 
     def close(self) -> None:
@@ -174,8 +171,11 @@ def load_completions(path: str | Path, benchmark: Benchmark, *, all_ids: Iterabl
         DataError: On a missing file, a malformed line or an unknown task id (naming the line).
     """
     path = Path(path)
-    if not path.is_file():
+    problem = not_a_file(path)
+    if problem == "does not exist":
         raise DataError(f"completions file not found: {path}")
+    if problem is not None:
+        raise DataError(f"--completions {path} {problem}, not a file of completions")
     wanted = benchmark.by_id()
     known = set(all_ids) | set(wanted)
     counts: Counter[str] = Counter()
@@ -351,8 +351,9 @@ def score(
     isolation = isolation or detect_isolation()
     execution = execution or Execution(limits or Limits(), None)
     out = Path(output_dir) if output_dir is not None else None
-    log = JsonlLog(out / "samples.jsonl") if out else None
-    gen_log = JsonlLog(out / "completions.jsonl") if out and completer else None
+    log = JsonlLog(out / "samples.jsonl", "scored samples") if out else None
+    gen_log = JsonlLog(out / "completions.jsonl", "generated completions") \
+        if out and completer else None
     config = config or GenerationConfig()
     total = len(completions) if completions is not None else (
         len(benchmark.tasks) * config.n_samples)
@@ -539,7 +540,8 @@ def evaluate_completions(
     if generation is not None:
         summary["generation"] = generation
     if output_dir is not None:
-        write_json(Path(output_dir) / "summary.json", summary, indent=2)
+        write_json(Path(output_dir) / "summary.json", summary, indent=2,
+                   what="the evaluation summary")
     return summary
 
 

@@ -139,5 +139,7 @@ def check_or_record(output_dir: str | os.PathLike, produced: dict, *, fresh: boo
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:  # a file where a folder of the path should be, no permission ...
         raise DataError(f"--output {out}: cannot create it ({err.strerror})") from None
-    write_json(record, produced, indent=2, sort_keys=True)
+    if old != produced or moved is not None:  # unchanged: nothing to write (a full disk too)
+        write_json(record, produced, indent=2, sort_keys=True,
+                   what="the record of what made these results")
     return moved

@@ -20,6 +20,21 @@ from mtp.util.errors import ConfigError
 BYTE_LEVEL_BASE = 257
 
 
+#: The largest seed mtp takes (`--seed`, `--data.seed`, `--seed_everything`): NumPy's generator,
+#: which Lightning's `seed_everything` seeds, takes 32 bits (torch's takes 64), and mtp derives
+#: further seeds from one by small offsets (an epoch of windows, a batch of an evaluation), so
+#: every seed is a 32-bit one. Lightning would replace a larger one with 0, torch overflow.
+SEED_MAX = 2**32 - 1
+
+
+def seed_problem(flag: str, value: int) -> str | None:
+    """What is wrong with seed `value` of `flag`, or None: seeds lie in [0, `SEED_MAX`]."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= SEED_MAX:
+        return f"{flag} must be a whole number in [0, {SEED_MAX}], the range of the random " \
+               f"generators it seeds (got {value})"
+    return None
+
+
 def _raise_if(problems: list[str]) -> None:
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
@@ -276,6 +291,8 @@ class DataConfig:
                 p.append(f"--data.{name} must be >= 1 (got {getattr(self, name)})")
         if self.sources is not None:
             p += self._source_problems()
+        if (problem := seed_problem("--data.seed", self.seed)) is not None:
+            p.append(problem)
         _raise_if(p)
 
     def _source_problems(self) -> list[str]:

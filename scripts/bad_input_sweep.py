@@ -10,7 +10,10 @@ markdown table: the command, its exit status, the last line it printed and a ver
 Besides one command, a case may send its process a signal once it reaches a stage (a line in
 its output, or a file it creates), or start several commands at once; either may then check what
 they left behind (the printed resume command runs, an output folder holds no contradictory
-results, ...). Those cases, and the odd files they use, are in `hostile_sweep.py`.
+results, ...). Those cases, and the odd files they use, are in `hostile_sweep.py`; the cases of
+sizes beyond the memory, writes that fail (full and read-only disks, mounted as tmpfs where this
+runs as root, and quotas), Lightning's `--trainer.*` flags, paths that are not files and numbers
+out of range are in `limits_sweep.py`.
 
     clear      exit status 2 (or the expected one), no traceback, and the message holds what
                the case expects (the flag, file or value at fault)
@@ -29,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -38,6 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from hostile_sweep import MTP, REPO, Case, Run, env, odd_cases, odd_fixtures
+from limits_sweep import limits_cases, limits_fixtures, unmount_all
 
 
 def fixtures(root: Path, data: Path) -> dict[str, str]:
@@ -79,6 +84,7 @@ def fixtures(root: Path, data: Path) -> dict[str, str]:
     paths["MISSING"] = str(root / "missing.ckpt")
     paths["OUT"] = str(root / "out")
     paths.update(odd_fixtures(root, tok, paths, data))
+    paths.update(limits_fixtures(root, paths))
     return paths
 
 
@@ -205,7 +211,7 @@ def cases(p: dict[str, str]) -> list[Case]:
                              "--preset", "nonsense"], "nonsense"),
         Case("experiments", [sys.executable, str(REPO / "experiments" / "arithmetic.py"),
                              "--preset", p["LISTYAML"]], "list.yaml"),
-    ] + odd_cases(p)
+    ] + odd_cases(p) + limits_cases(p)
 
 
 # -- running a case -----------------------------------------------------------------------------
@@ -231,6 +237,18 @@ def _reached(at: str, proc: _Output, folder: Path) -> bool:
     return any(folder.glob(at[5:])) if at.startswith("file:") else at in proc.text()
 
 
+def _quota(limit: int | None):
+    """What a case's process runs before its command: a limit on the size of every file it
+    writes (a quota; Python ignores SIGXFSZ, so a write past it fails with EFBIG)."""
+    if limit is None:
+        return None
+
+    def set_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return set_limit
+
+
 def run(case: Case, root: Path) -> dict:
     # in the temporary directory, or a folder of its own there: whatever a case writes (runs/,
     # caches) goes there
@@ -238,7 +256,8 @@ def run(case: Case, root: Path) -> dict:
     folder.mkdir(exist_ok=True)
     deadline = time.monotonic() + case.timeout
     procs = [subprocess.Popen(argv, cwd=folder, env=env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT) for argv in [case.argv, *case.also]]
+                              stderr=subprocess.STDOUT, preexec_fn=_quota(case.file_size_limit))
+             for argv in [case.argv, *case.also]]
     outputs = [_Output(proc) for proc in procs]
     missed = ""
     if case.signal is not None:
@@ -298,27 +317,34 @@ def main() -> int:
                              "MBPP case needs it")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        todo = cases(fixtures(root, args.data))
-        if args.only:
-            todo = [c for c in todo if c.group in args.only.split(",")]
-        # the eval cases that write into out/ must run in order
-        ordered = [c for c in todo if p_out(c, root)]
-        rest = [c for c in todo if not p_out(c, root)]
-        with ThreadPoolExecutor(max(1, args.jobs)) as pool:
-            results = dict(zip(map(id, rest), pool.map(lambda c: run(c, root), rest)))
-        results.update({id(c): run(c, root) for c in ordered})
-        print("| # | command | exit | verdict | what it printed |\n|---|---|---|---|---|")
-        for i, c in enumerate(todo, 1):
-            r = results[id(c)]
-            cmd = c.command(root).replace("|", "\\|")
-            last = r["last"].replace("|", "\\|")
-            print(f"| {i} | `{cmd}` | {r['status']} | {r['verdict']} | {last} |")
-        bad = sum(results[id(c)]["verdict"] == "BAD" for c in todo)
-        print(f"\n{len(todo)} cases: {len(todo) - bad} clear or handled, {bad} BAD")
-        slowest = sorted(range(len(todo)), key=lambda i: -results[id(todo[i])]["seconds"])[:10]
-        print("slowest cases (#, seconds): " + ", ".join(
-            f"{i + 1} {results[id(todo[i])]['seconds']:.0f}" for i in slowest), file=sys.stderr)
+        try:
+            return _sweep(Path(tmp), args)
+        finally:
+            unmount_all()  # the small and read-only disks of `limits_sweep`
+
+
+def _sweep(root: Path, args: argparse.Namespace) -> int:
+    """Build the fixtures under `root`, run the cases, print the table; the BAD count."""
+    todo = cases(fixtures(root, args.data))
+    if args.only:
+        todo = [c for c in todo if c.group in args.only.split(",")]
+    # the eval cases that write into out/ must run in order
+    ordered = [c for c in todo if p_out(c, root)]
+    rest = [c for c in todo if not p_out(c, root)]
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        results = dict(zip(map(id, rest), pool.map(lambda c: run(c, root), rest)))
+    results.update({id(c): run(c, root) for c in ordered})
+    print("| # | command | exit | verdict | what it printed |\n|---|---|---|---|---|")
+    for i, c in enumerate(todo, 1):
+        r = results[id(c)]
+        cmd = c.command(root).replace("|", "\\|")
+        last = r["last"].replace("|", "\\|")
+        print(f"| {i} | `{cmd}` | {r['status']} | {r['verdict']} | {last} |")
+    bad = sum(results[id(c)]["verdict"] == "BAD" for c in todo)
+    print(f"\n{len(todo)} cases: {len(todo) - bad} clear or handled, {bad} BAD")
+    slowest = sorted(range(len(todo)), key=lambda i: -results[id(todo[i])]["seconds"])[:10]
+    print("slowest cases (#, seconds): " + ", ".join(
+        f"{i + 1} {results[id(todo[i])]['seconds']:.0f}" for i in slowest), file=sys.stderr)
     return bad
 
 

@@ -44,6 +44,7 @@ class Case:
     also: list[list[str]] = field(default_factory=list)  # commands started at the same time
     check: Callable[[Run], str | None] | None = None  # what else must hold: a problem, or None
     label: str = ""  # shown before the command: the stage a signal hits, what runs at once
+    file_size_limit: int | None = None  # bytes any file may grow to (`ulimit -f`): a quota
 
     def command(self, root: Path) -> str:
         text = shlex.join(self.argv).replace(" ".join(MTP), "mtp")
@@ -440,14 +441,14 @@ def _last(text: str) -> str:
     return lines[-1].strip()[:160] if lines else ""
 
 
-def _again(run: Run, argv: list[str], timeout: float = 400) -> tuple[int, str]:
+def run_again(run: Run, argv: list[str], timeout: float = 400) -> tuple[int, str]:
     """Run a command in the case's folder: its exit status and output."""
     proc = subprocess.run(argv, cwd=run.folder, env=env(), stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, errors="replace", timeout=timeout)
     return proc.returncode, proc.stdout
 
 
-def _failed(status: int, text: str, what: str) -> str | None:
+def command_failed(status: int, text: str, what: str) -> str | None:
     if status == 0 and "Traceback" not in text:
         return None
     return f"{what} exits {status}: {_last(text)}"
@@ -464,7 +465,7 @@ def _goes_on(run: Run) -> str | None:
     argv = _printed(run.outputs[0][1])
     if argv is None:
         return "no command printed to go on with"
-    return _failed(*_again(run, argv), "the printed command")
+    return command_failed(*run_again(run, argv), "the printed command")
 
 
 def _step(path: Path) -> int:
@@ -484,7 +485,7 @@ def _resumes(run: Run) -> str | None:
     if _step(run.folder / m[2]) != step:
         return f"{m[2]} does not hold step {step}"
     argv = [*MTP, *shlex.split(m[3])[1:], "--trainer.max_steps", str(step + 2)]
-    problem = _failed(*_again(run, argv), "the printed resume command")
+    problem = command_failed(*run_again(run, argv), "the printed resume command")
     if problem:
         return problem
     last = max((run.folder / "runs" / "mtp").glob("version_*/checkpoints/last.ckpt"),
@@ -499,17 +500,17 @@ def _within_validation(run: Run) -> str | None:
     return _resumes(run)
 
 
-def _jsonl(path: Path) -> list[dict]:
+def jsonl_rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _eval_resumes(run: Run, output: str) -> str | None:
     """Stopped mid-evaluation: the same command resumes, and no sample is there twice."""
-    problem = _failed(*_again(run, run.case.argv), "the same command again")
+    problem = command_failed(*run_again(run, run.case.argv), "the same command again")
     if problem:
         return problem
     for name in ("completions.jsonl", "samples.jsonl"):
-        keys = [(r["task_id"], r["sample"]) for r in _jsonl(run.folder / output / name)]
+        keys = [(r["task_id"], r["sample"]) for r in jsonl_rows(run.folder / output / name)]
         if len(keys) != len(set(keys)) or len(keys) != 5:
             return f"{output}/{name} holds {len(keys)} records of {len(set(keys))} samples, not 5"
     return None
@@ -517,10 +518,10 @@ def _eval_resumes(run: Run, output: str) -> str | None:
 
 def _distill_resumes(run: Run, n: int) -> str | None:
     """Stopped mid-distillation: the same command goes on, each request answered once."""
-    problem = _failed(*_again(run, run.case.argv), "the same command again")
+    problem = command_failed(*run_again(run, run.case.argv), "the same command again")
     if problem:
         return problem
-    rows = _jsonl(run.folder / "corpus.jsonl")
+    rows = jsonl_rows(run.folder / "corpus.jsonl")
     requests = [r["request"] for r in rows]
     if len(rows) != n or len(set(requests)) != n:
         return f"corpus.jsonl holds {len(rows)} answers to {len(set(requests))} requests, not {n}"
@@ -551,7 +552,7 @@ def _one_eval_output(run: Run, output: str) -> str | None:
     if problem:
         return problem
     results: dict[tuple[str, int], tuple[str, bool]] = {}
-    for r in _jsonl(run.folder / output / "samples.jsonl"):
+    for r in jsonl_rows(run.folder / output / "samples.jsonl"):
         key = (r["task_id"], r["sample"])
         if results.setdefault(key, (r["completion"], r["passed"])) != (r["completion"],
                                                                      r["passed"]):
@@ -579,7 +580,7 @@ def _one_export(run: Run, output: str) -> str | None:
 
 def _one_distill_output(run: Run, n: int) -> str | None:
     problem = _refused_or_done(run, "--out")
-    rows = _jsonl(run.folder / "corpus.jsonl")
+    rows = jsonl_rows(run.folder / "corpus.jsonl")
     requests = [r["request"] for r in rows]
     if problem or len(rows) != n or len(set(requests)) != n:
         return problem or f"corpus.jsonl holds {len(rows)} answers to {len(set(requests))} " \

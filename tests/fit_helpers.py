@@ -102,6 +102,18 @@ class Record(L.Callback):
         self._write(event="end", step=trainer.global_step, last=self._last_step(trainer))
 
 
+class FillDisk(L.Callback):
+    """Raise, at the end of training step `step`, the error a logger meets on a full disk: an
+    OSError without a file name (a write of an open file)."""
+
+    def __init__(self, step: int = 1) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step >= self.step:
+            raise OSError(28, "No space left on device")
+
+
 def pause_tokenising(folder: str) -> None:
     """Pause `mtp.data.shards` at its first batch of documents (no callback runs that early)."""
     import mtp.data.shards

@@ -209,8 +209,14 @@ def main(argv: list[str] | None = None) -> int:
         return importlib.import_module(f"mtp.bench.{workers[argv[0]]}").worker(argv[1])
     top, subs = parser()
     args = top.parse_args(argv)
-    if Path(args.csv).is_dir():  # found before the benchmark runs, not when it ends
-        subs[args.what].error(f"--csv {args.csv} is a directory; give the .csv file to append to")
+    # found before the benchmark runs, not when it ends
+    from mtp.util.atomic import check_writable
+    from mtp.util.paths import not_a_file
+
+    problem = not_a_file(args.csv)
+    if problem not in (None, "does not exist"):
+        subs[args.what].error(f"--csv {args.csv} {problem}; give the .csv file to append to")
+    check_writable(Path(args.csv).parent, "the folder of --csv")
     args.command = shlex.join(["mtp", "bench", *argv])
     module = importlib.import_module(f"mtp.bench.{args.what}")
     return module.run(subs[args.what], args)

@@ -51,6 +51,7 @@ from mtp.decoding.request import HEAD_DECODERS, DecodeRequest
 from mtp.decoding.stats import PHASES, DecodeStats
 from mtp.decoding.stopper import Stopper
 from mtp.decoding.tree import DynamicTree, Tree, head_accuracy
+from mtp.util.paths import not_a_file
 
 
 @dataclass
@@ -257,8 +258,11 @@ def _benchmark_prompts(p, name: str, data_file: str | None, fmt: str, cfg) -> li
 
 def _file_prompts(p, spec: str) -> list[str]:
     path = Path(spec)
-    if not path.is_file():
+    problem = not_a_file(path)
+    if problem == "does not exist":
         p.error(f"--prompts: {spec} is neither humaneval, mbpp=FILE nor a file")
+    if problem is not None:
+        p.error(f"--prompts {spec} {problem}, not a file of prompts")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:

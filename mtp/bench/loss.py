@@ -210,6 +210,24 @@ def worker(spec_json: str) -> int:
     return 0
 
 
+def _check_memory(args: argparse.Namespace) -> None:
+    """The sequential pass of the largest K within the memory of `--device`, before any tensor
+    is made (`mtp.model.memory`; the naive pass has its own bound, `--max-naive-gib`)."""
+    from mtp.model.memory import check_memory, training_need
+    from mtp.util.environment import available_memory
+
+    T = min(args.seq_len, args.n)
+    cfg = ModelConfig(vocab_size=args.vocab, d_model=args.d, n_layers=1,
+                      n_attn_heads=max(1, args.d // 64), n_future=max(args.ks), max_seq_len=T,
+                      head_type=args.head_type)
+    kind = "cuda" if args.device.startswith("cuda") else "cpu"
+    check_memory(lambda c, s: training_need(c, batch_size=s["--n"] // T, seq_len=T), cfg,
+                 {"--n": args.n}, available_memory(kind), doing=f"the heads' loss at K = "
+                 f"{max(args.ks)}", where=f"on {args.device}",
+                 model_flags={"n_future": "--ks", "d_model": "--d", "vocab_size": "--vocab",
+                              "n_layers": None, "max_seq_len": None, "ffn_hidden": None})
+
+
 def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """`mtp bench loss`: print the table and append it to `--csv`."""
     cuda = torch.cuda.is_available()
@@ -230,5 +248,6 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     unknown = [m for m in (args.methods or "").split(",") if m and m not in known]
     if unknown:
         p.error(f"--methods: unknown {unknown[0]!r}; choose from {', '.join(known)}")
+    _check_memory(args)
     publish(bench_loss(args), args.csv, args.command)
     return 0

@@ -3,15 +3,19 @@
 Each CSV row carries what produced it: the benchmark's own settings (its columns), the exact
 command line, and the environment (`mtp.util.environment.environment`: hardware, threads, versions,
 git revision, time). A CSV is only ever appended to; rows with another set of columns start a
-new file beside it, so an older run's rows are never rewritten or misread under new headers.
+new file beside it, so an older run's rows are never rewritten or misread under new headers. A
+run's rows are appended in one write (`mtp.util.atomic.AppendOnlyFile`): a full disk leaves the
+file as it was, and says which file.
 """
 
 from __future__ import annotations
 
 import csv
+import io
 import os
 from pathlib import Path
 
+from mtp.util.atomic import AppendOnlyFile
 from mtp.util.environment import environment
 
 __all__ = ["format_table", "publish", "write_csv"]
@@ -51,18 +55,18 @@ def write_csv(rows: list[dict], path: str | os.PathLike, command: str,
     columns; a new file beside it for another column set. Returns the file written."""
     env = env or environment()
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     fields = _columns(rows) + ["command", *env]
     if path.exists():
         with path.open(newline="") as f:
             if next(csv.reader(f), None) != fields:  # another column set: start a new file
                 path = path.with_name(f"{path.stem}-{env['date'].replace(':', '')}{path.suffix}")
-    new = not path.exists()
-    with path.open("a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        if new:
+    with AppendOnlyFile(path, "the benchmark's rows") as f:
+        text = io.StringIO(newline="")
+        writer = csv.DictWriter(text, fieldnames=fields)
+        if not f.size:
             writer.writeheader()
         for row in rows:
             writer.writerow({**row, "command": command, **env})
+        f.append(text.getvalue())
     print(f"wrote {path}")
     return path

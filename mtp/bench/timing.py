@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from collections.abc import Callable
 
 import torch
+
+from mtp.util.environment import current_rss  # the one reader of a process's memory
 
 __all__ = ["current_rss", "interleaved_median_ms", "median_ms", "peak_rss", "reset_peak_rss",
            "sync"]
@@ -39,12 +40,6 @@ def interleaved_median_ms(fns: list[Callable[[], object]], device: torch.device,
             sync(device)
             t.append((time.perf_counter() - start) * 1e3)
     return [statistics.median(t) for t in times]
-
-
-def current_rss() -> int:
-    """Bytes resident in memory for this process now (Linux)."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def reset_peak_rss() -> None:

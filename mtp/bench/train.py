@@ -103,6 +103,26 @@ def bench_train(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def _check_memory(args: argparse.Namespace) -> None:
+    """The step of the largest K within the memory of `--device`, before any model is built
+    (`mtp.model.memory`)."""
+    from mtp.model.memory import check_memory, training_need
+    from mtp.util.environment import available_memory
+
+    base, K = ModelConfig.from_name(args.model), max(args.ks)
+    cfg = ModelConfig(**{**base.__dict__, "n_future": K, "matched_params": True,
+                         "n_layers": args.n_layers or base.n_layers,
+                         "max_seq_len": max(base.max_seq_len, args.seq_len)})
+    kind = "cuda" if args.device.startswith("cuda") else "cpu"
+    check_memory(lambda c, s: training_need(c, batch_size=s["--batch-size"],
+                                            seq_len=s["--seq-len"], naive=args.loss == "naive"),
+                 cfg, {"--batch-size": args.batch_size, "--seq-len": args.seq_len},
+                 available_memory(kind), doing=f"a training step at K = {K}",
+                 where=f"on {args.device}",
+                 model_flags={"n_future": "--ks", "n_layers": "--n-layers", "d_model": None,
+                              "vocab_size": None, "max_seq_len": None, "ffn_hidden": None})
+
+
 def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """`mtp bench train`: print the table and append it to `--csv`."""
     from mtp.config import MODEL_REGISTRY
@@ -115,5 +135,6 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                         ("--ks", min(args.ks)), ("--n-layers", args.n_layers or 1)):
         if value < 1:
             p.error(f"{flag} must be >= 1 (got {value})")
+    _check_memory(args)
     publish(bench_train(args), args.csv, args.command)
     return 0

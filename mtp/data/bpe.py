@@ -17,6 +17,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from mtp.data.corpus import DocumentReader, SourceSpec, in_validation
 from mtp.model.checkpoint import EOT_TOKEN
 from mtp.util.errors import InputError, MissingInput
+from mtp.util.paths import not_a_file
 
 #: The longest run of one kind of character (letters, digits, other symbols, whitespace: the
 #: byte-level pre-tokenizer's words) that the trainer sees whole. Its merges take time quadratic
@@ -82,8 +83,11 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     """A `tokenizer.json`, or the tokenizer a GGUF file holds, with a message naming the file
     when it is missing or malformed."""
     path = Path(path)
-    if not path.is_file():
+    problem = not_a_file(path)
+    if problem == "does not exist":
         raise MissingInput(f"--data.tokenizer {path} does not exist")
+    if problem is not None:
+        raise InputError(f"--data.tokenizer {path} {problem}, not a tokenizer file")
     if path.suffix.lower() == ".gguf":
         from mtp.model import gguf
 

@@ -20,7 +20,7 @@ from mtp.data.bpe import check_tokenizer, load_tokenizer, tokenizer_sample, trai
 from mtp.data.corpus import SourceSpec, source_specs, spec_key
 from mtp.data.shards import SPLITS, build_shards, load_shards, locked, shard_root
 from mtp.model.checkpoint import EOT_TOKEN
-from mtp.util.atomic import atomic_write
+from mtp.util.atomic import atomic_write, writing
 from mtp.util.errors import InputError
 
 # -- windows and samplers -----------------------------------------------------------------------
@@ -183,13 +183,14 @@ class MTPDataModule(L.LightningDataModule):
             f"{h}-v{self.vocab_size}-b{cfg.tokenizer_train_bytes}.json")
         if path.is_file():
             return Tokenizer.from_file(str(path))
-        path.parent.mkdir(parents=True, exist_ok=True)
+        with writing(path.parent, "the folder of trained tokenizers (--data.cache_dir)"):
+            path.parent.mkdir(parents=True, exist_ok=True)
         with locked(path.with_name(path.name + ".lock")):  # two runs at once train it once
             if path.is_file():
                 return Tokenizer.from_file(str(path))
             tok = train_tokenizer(tokenizer_sample(specs, cfg.tokenizer_train_bytes),
                                   self.vocab_size, cfg.tokenizer_train_bytes, self.eot_token)
-            atomic_write(path, lambda p: tok.save(str(p)))
+            atomic_write(path, lambda p: tok.save(str(p)), what="the tokenizer")
         return tok
 
     def _prepare(self) -> tuple[Tokenizer, list[SourceSpec], list[Path]]:

@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 from mtp.data.corpus import DocumentReader, SourceSpec, check_split_sizes, spec_key
 from mtp.data.encoder_pool import EncoderPool, document_batches
 from mtp.model.checkpoint import EOT_TOKEN
-from mtp.util.atomic import rename, write_json
+from mtp.util.atomic import rename, write_json, writing
 from mtp.util.errors import InputError
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ CHECKPOINT_CHARS = 64 << 20
 
 
 def _write_json(path: Path, obj: dict) -> None:
-    write_json(path, obj, indent=1)
+    write_json(path, obj, indent=1, what="the token shard's record")
 
 
 @contextmanager
@@ -67,7 +67,9 @@ def locked(path: Path) -> Iterator[None]:
     except ImportError:  # Windows: no advisory locks; runs must not race on one cache
         yield
         return
-    with open(path, "a") as f:
+    with writing(path, "the lock file of the token cache"):
+        f = open(path, "a")  # noqa: SIM115 - closed below
+    with f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
@@ -100,21 +102,24 @@ class _ShardWriter:
         self.tokens = {s: self.files[s].tell() // self.dtype.itemsize for s in SPLITS}
 
     def write(self, split: str, ids: np.ndarray) -> None:
-        self.files[split].write(memoryview(ids))
+        with writing(self.paths[split], "a token shard"):
+            self.files[split].write(memoryview(ids))
         self.tokens[split] += len(ids)
 
     def sizes(self) -> dict[str, int]:
         return {s: self.tokens[s] * self.dtype.itemsize for s in SPLITS}
 
     def sync(self) -> None:
-        for f in self.files.values():
-            f.flush()
-            os.fsync(f.fileno())
+        for split, f in self.files.items():
+            with writing(self.paths[split], "a token shard"):
+                f.flush()
+                os.fsync(f.fileno())
 
     def truncate(self, split: str, n_tokens: int) -> None:
         f = self.files[split]
-        f.flush()
-        f.truncate(n_tokens * self.dtype.itemsize)
+        with writing(self.paths[split], "a token shard"):
+            f.flush()
+            f.truncate(n_tokens * self.dtype.itemsize)
         f.seek(0, os.SEEK_END)
         self.tokens[split] = n_tokens
 
@@ -179,7 +184,8 @@ def build_shards(spec: SourceSpec, tokenizer: Tokenizer, root: Path, *, workers:
     if meta.is_file():  # complete (and, being complete, never written again: no lock needed)
         return json.loads(meta.read_text())
     key = spec_key(spec) if key is None else key
-    root.mkdir(parents=True, exist_ok=True)
+    with writing(root, "the token shards' folder (--data.cache_dir)"):
+        root.mkdir(parents=True, exist_ok=True)
     with locked(root / "lock"):
         if meta.is_file():  # another run finished it while this one waited for the lock
             return json.loads(meta.read_text())

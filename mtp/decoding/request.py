@@ -22,11 +22,16 @@ from mtp.decoding.tree import DynamicTree, Tree
 from mtp.model.transformer import MTPTransformer
 from mtp.util.errors import UserError
 
-__all__ = ["MEASURING", "DecodeRequest", "Problem", "RequestError", "prose"]
+__all__ = ["MEASURING", "MIN_TEMPERATURE", "DecodeRequest", "Problem", "RequestError", "prose"]
 
 #: Decoders `generate` takes that are not for use: `oracle` drafts a given reference (the tokens
 #: greedy will emit), an upper bound that measures the loop's own cost.
 MEASURING = ("oracle",)
+
+#: The smallest temperature that samples: the logits are divided by it in fp32, and below this
+#: the quotients of ordinary logits near the float32 limits overflow to inf, so the softmax
+#: gives NaN (vLLM treats temperatures under the same 1e-5 as greedy). 0 is greedy.
+MIN_TEMPERATURE = 1e-5
 
 #: What `generate`'s messages call the fields that are not its arguments.
 _PROSE = {"model": "the model", "prompts": "a prompt"}
@@ -165,6 +170,10 @@ class DecodeRequest:
                 got=self.max_new_tokens)
         if not (math.isfinite(t) and t >= 0):
             bad("temperature", "{temperature} must be finite and >= 0 (got {got})", got=t)
+        elif 0 < t < MIN_TEMPERATURE:
+            bad("temperature", "{temperature} {got} is too small to divide the logits by (the "
+                "quotients overflow float32 and sampling fails): give 0 for greedy decoding, or "
+                "at least {least}", got=t, least=MIN_TEMPERATURE)
         elif d == "greedy" and t > 0:
             bad("temperature", "{temperature} > 0 samples: use {decoder} sample (or a speculative "
                 "decoder, which then samples exactly)")
@@ -224,6 +233,15 @@ class DecodeRequest:
                 bad("draft_model", "{draft_model} has a vocabulary of {dv} tokens, {model} of "
                     "{v}: they must be the same", dv=draft_model.cfg.vocab_size,
                     v=cfg.vocab_size)
+            # A round's drafts are verified in one forward within the context: more could never
+            # be verified, and their buffers would be sized by the flag, not by the model.
+            room = self.context_len(model, draft_model)
+            if d in ("draft", "oracle") and self.gamma >= room:
+                bad("gamma", "{gamma} {got}: a round of more drafts than the context length "
+                    "({n} tokens) holds cannot be verified", got=self.gamma, n=room)
+            if self.lookup_tokens >= room:
+                bad("lookup", "{lookup} {got}: a round of more drafts than the context length "
+                    "({n} tokens) holds cannot be verified", got=self.lookup_tokens, n=room)
 
         # The prompts and what goes with them
         if prompts is not None:

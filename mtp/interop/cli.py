@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from mtp.util.errors import ExportError
+from mtp.util.errors import ExportError, WriteError
 
 __all__ = ["export_main"]
 
@@ -39,6 +39,9 @@ def export_main(argv: list[str]) -> int:
             out = hf_export.export(model, tokenizer, args.output)
     except (ExportError, FileNotFoundError, ValueError) as e:
         print(f"mtp export: error: {e}", file=sys.stderr)
+        return 2
+    except WriteError as e:  # a full disk, a read-only folder: `new_directory` removed its files
+        print(f"mtp export: error: --output: {e}; nothing was left there", file=sys.stderr)
         return 2
     except OSError as e:  # a file where a folder of --output is, another export there meanwhile
         print(f"mtp export: error: --output {args.output}: {e.strerror} ({e.filename}); nothing "

@@ -16,9 +16,11 @@ nearly everywhere in its own answers, every head learns the exact token speculat
 prompt of a batch of one length, so more of the machine's time goes to new tokens.
 Each batch prints the new tokens per second so far.
 
-Lines are appended a batch at a time and flushed; a rerun with the same arguments continues after
-the last complete line, so an interrupted run loses at most one batch. One run at a time writes an
-`--out` file: a second one started meanwhile is refused.
+Lines are appended a batch at a time, in one write, and fsynced (`mtp.util.atomic.
+AppendOnlyFile`); a rerun with the same arguments continues after the last complete line, so an
+interrupted run loses at most one batch, and a write that fails (a full disk, a read-only folder)
+is named and leaves the earlier lines as they were. One run at a time writes an `--out` file: a
+second one started meanwhile is refused.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ from __future__ import annotations
 import argparse
 import ast
 import json
-import os
 import random
 import sys
 import sysconfig
@@ -128,18 +129,6 @@ def _load(model_arg: str, max_seq_len: int):
     return model.eval(), load_tokenizer(pretrained_tokenizer(cfg.init_from))
 
 
-def _done(out: Path) -> int:
-    """Complete lines already in `out`; a torn last line (a killed write) is cut off."""
-    if not out.is_file():
-        return 0
-    data = out.read_bytes()
-    keep = data[:data.rfind(b"\n") + 1]
-    if len(keep) != len(data):
-        with open(out, "r+b") as f:
-            f.truncate(len(keep))
-    return keep.count(b"\n")
-
-
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="mtp distill", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True,
@@ -165,6 +154,10 @@ def main(argv: list[str]) -> int:
     for flag in ("requests", "max_new_tokens", "batch_size", "prefix_tokens"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1 (got {getattr(args, flag)})")
+    from mtp.decoding.cli import threads_problem
+
+    if (problem := threads_problem(args.threads)) is not None:
+        p.error(problem)
     source = Path(args.source)
     if not source.is_dir():
         p.error(f"--source {source} is not a directory")
@@ -180,9 +173,11 @@ def main(argv: list[str]) -> int:
 
     from mtp.decoding.generation import generate
     from mtp.eval.chat import ChatTemplate
+    from mtp.model.memory import check_memory, inference_need
     from mtp.model.vocab import eot_id
-    from mtp.util.atomic import lock
-    from mtp.util.errors import ExportError
+    from mtp.util.atomic import AppendOnlyFile
+    from mtp.util.environment import available_memory
+    from mtp.util.errors import ConfigError, ExportError, WriteError
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -205,27 +200,42 @@ def main(argv: list[str]) -> int:
         chat = ChatTemplate(cfg.chat_template, eos_token=cfg.eot_token)
         texts = [chat.render([{"role": "user", "content": r}]) for r in todo]
         prompts, requests_of = [tokenizer.encode(x).ids for x in texts], todo
-    out.parent.mkdir(parents=True, exist_ok=True)
+    rows = min(args.batch_size, len(todo))  # the most prompts decoded at once
+    try:
+        check_memory(lambda c, sizes: inference_need(c, batch_size=sizes["--batch-size"]), cfg,
+                     {"--batch-size": rows}, available_memory("cpu"),
+                     doing=f"decoding {rows} prompts at once", where="on the CPU")
+    except ConfigError as err:
+        p.error(str(err))
     eot = eot_id(tokenizer, cfg)
-    with open(out, "a", encoding="utf-8") as f:
+    try:
         # the lines are counted to resume: two runs appending at once would break the count
-        if not lock(f, blocking=False):
-            p.error(f"--out {out} is being written by another mtp distill; wait for it to end, "
-                    "or choose another --out")
-        start, written, began = _done(out), 0, time.perf_counter()
+        f = AppendOnlyFile(out, "the distilled corpus", exclusive=True)
+    except BlockingIOError:
+        p.error(f"--out {out} is being written by another mtp distill; wait for it to end, "
+                "or choose another --out")
+    except WriteError as err:
+        p.error(f"--out: {err}")
+    with f:
+        # the complete lines are the requests answered (a torn last one was cut on opening)
+        start, written, began = out.read_bytes().count(b"\n"), 0, time.perf_counter()
         for b in range(start, len(todo), args.batch_size):
             batch = range(b, min(b + args.batch_size, len(todo)))
             with torch.no_grad():
                 new, _ = generate(model, [prompts[i] for i in batch], args.max_new_tokens,
                                   decoder="greedy", eot_id=eot)
+            lines = []
             for i, ids in zip(batch, new):
                 finished = bool(ids) and ids[-1] == eot
                 answer = tokenizer.decode(ids[:-1] if finished else ids,
                                           skip_special_tokens=False)
-                f.write(json.dumps({"text": texts[i] + answer, "request": requests_of[i],
-                                    "finished": finished}) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+                lines.append(json.dumps({"text": texts[i] + answer, "request": requests_of[i],
+                                         "finished": finished}) + "\n")
+            try:
+                f.append("".join(lines))  # the batch whole, or nothing of it
+            except WriteError as err:
+                p.error(f"--out: {err}; the {b} answers before are kept, and the same command "
+                        "goes on after them")
             written += sum(map(len, new))
             seconds = time.perf_counter() - began
             print(f"{min(b + args.batch_size, len(todo))}/{len(todo)} requests answered, "

@@ -34,7 +34,7 @@ from tokenizers import Tokenizer
 from mtp.model.checkpoint import FORMAT_VERSION, MTP_CONFIG, MTP_HEADS
 from mtp.model.llama_layout import llama_config, llama_state
 from mtp.model.transformer import MTPTransformer
-from mtp.util.atomic import fsync_file, rename
+from mtp.util.atomic import fsync_file, rename, writing
 from mtp.util.digests import DIGESTS, tensor_digests
 from mtp.util.errors import ExportError
 
@@ -50,6 +50,7 @@ def export(model: MTPTransformer, tokenizer: Tokenizer, output: str | os.PathLik
     Raises:
         ExportError: If the model cannot be held by the Llama layout, or `output` exists and is
             not an empty directory.
+        WriteError: If the disk is full or the folder read-only (`new_directory`).
     """
     from safetensors.torch import save_file
 
@@ -107,20 +108,23 @@ def new_directory(output: Path) -> Iterator[Path]:
 
     Raises:
         ExportError: If `output` exists and is not an empty directory.
+        WriteError: If the export cannot be written there (a full disk, a read-only folder, a
+            quota): nothing is left behind.
     """
     check_new_directory(output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
-    try:
-        yield tmp
-        for f in tmp.iterdir():
-            fsync_file(f)
-        if output.exists():
-            output.rmdir()  # empty, checked above
-        rename(tmp, output)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with writing(output, "the export"):
+        tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+        try:
+            yield tmp
+            for f in tmp.iterdir():
+                fsync_file(f)
+            if output.exists():
+                output.rmdir()  # empty, checked above
+            rename(tmp, output)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
 def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2) + "\n")

@@ -20,8 +20,11 @@ from tokenizers import Tokenizer
 from mtp.config import ModelConfig
 from mtp.model import gguf
 from mtp.model.llama_layout import layer_from_llama
+from mtp.model.memory import check_memory, inference_need
 from mtp.model.transformer import MTPTransformer
+from mtp.util.environment import available_memory
 from mtp.util.errors import ExportError
+from mtp.util.paths import not_a_file
 
 __all__ = ["init_from_pretrained", "pretrained_chat_template", "pretrained_config",
            "pretrained_eos", "pretrained_tokenizer", "resolve_pretrained"]
@@ -41,10 +44,24 @@ def pretrained_config(path: str | os.PathLike, cfg: ModelConfig) -> ModelConfig:
         ExportError: If `path` is not a local checkpoint of a supported family, or uses what
             mtp's blocks cannot reproduce exactly (rotary scaling, another activation, MLP or
             output-projection biases, a sliding window shorter than the context, a head width
-            other than width / heads); the message names it.
+            other than width / heads), lacks a key, describes a model larger than the memory
+            available, or holds no weights mtp reads; the message names it.
     """
     path = resolve_pretrained(path)
     hf = _pretrained_hf_config(path)
+    try:
+        return _pretrained_config(path, hf, cfg)
+    except (KeyError, TypeError, ValueError) as err:  # a key missing, a value of another type
+        if isinstance(err, ExportError):
+            raise
+        source = path if gguf.is_gguf(path) else path / "config.json"
+        raise ExportError(f"--model.init_from {source} does not describe a model mtp can "
+                          f"build ({type(err).__name__}: {err})") from None
+
+
+def _pretrained_config(path: Path, hf: dict, cfg: ModelConfig) -> ModelConfig:
+    """`pretrained_config` of the read transformers config `hf`; its checks, then the sizes
+    against the memory (`mtp.model.memory`) and the weights' files, before anything loads."""
     kind = hf.get("model_type")
     if kind not in SUPPORTED:
         raise ExportError(f"--model.init_from {path}: model_type {kind!r} is not a supported "
@@ -82,7 +99,7 @@ def pretrained_config(path: str | os.PathLike, cfg: ModelConfig) -> ModelConfig:
     # n_layers counts the trunk and head 1's block: `deepseek` moves that block into the trunk
     # (ModelConfig.n_trunk_layers), `medusa`, `medusa1` and `linear` heads hold none
     in_head = cfg.head_type in ("block", "deepseek")
-    return dataclasses.replace(
+    out = dataclasses.replace(
         cfg, vocab_size=hf["vocab_size"], d_model=d, n_layers=n_layers - in_head,
         n_attn_heads=n_attn_heads,
         n_attn_kv_heads=hf.get("num_key_value_heads") or n_attn_heads,
@@ -92,6 +109,11 @@ def pretrained_config(path: str | os.PathLike, cfg: ModelConfig) -> ModelConfig:
         max_seq_len=min(cfg.max_seq_len, hf.get("max_position_embeddings", cfg.max_seq_len)),
         eot_token=eot, chat_template=cfg.chat_template or pretrained_chat_template(path),
         init_from=str(path))
+    source = f"--model.init_from {path if gguf.is_gguf(path) else path / 'config.json'}"
+    check_memory(lambda c, sizes: inference_need(c), out, {}, available_memory("cpu"),
+                 doing="loading the model", where="on the CPU", error=ExportError, source=source)
+    _weight_files(path)  # there to be read, before any data is
+    return out
 
 PACKAGE_PREFIX = "package:"
 
@@ -117,6 +139,10 @@ def _pretrained_hf_config(path: Path) -> dict:
             return gguf.read_config(path)
         except gguf.GGUFError as err:
             raise ExportError(f"--model.init_from {err}") from None
+    problem = not_a_file(path) if path.exists() and not path.is_dir() else None
+    if problem is not None:  # a pipe, a device: reading it would block, or never end
+        raise ExportError(f"--model.init_from {path} {problem} (a local transformers "
+                          f"checkpoint directory or a .gguf file is needed)")
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ExportError(f"--model.init_from {path}: no config.json (a local transformers "
@@ -172,22 +198,45 @@ def pretrained_chat_template(path: str | os.PathLike) -> str | None:
         return None
     return template if isinstance(template, str) else None
 
+def _weight_files(path: Path) -> list[Path]:
+    """The safetensors files of a transformers directory (one, or the shards its index names),
+    or the GGUF file itself.
+
+    Raises:
+        ExportError: If there are none: a directory of pickled weights (`pytorch_model.bin`)
+            is named as such (mtp loads no pickle).
+    """
+    if gguf.is_gguf(path):
+        return [path]
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise ExportError(f"--model.init_from {index} is not an index of safetensors "
+                              f"shards ({type(err).__name__}: {err})") from None
+        missing = [f for f in shards if not (path / f).is_file()]
+        if missing:
+            raise ExportError(f"--model.init_from {path}: the shards {missing[:3]} that "
+                              f"{index.name} names are missing")
+        return [path / f for f in shards]
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"]
+    pickled = sorted(p.name for p in path.glob("pytorch_model*.bin"))
+    found = f" (it holds {', '.join(pickled[:2])}: pickled weights, which mtp does not load)" \
+        if pickled else ""
+    raise ExportError(f"--model.init_from {path}: no model.safetensors (nor an index of "
+                      f"shards){found}; save the model with safe_serialization=True")
+
+
 def _pretrained_weights(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     if gguf.is_gguf(path):
         return gguf.read_weights(path)
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (path / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        raise ExportError(f"--model.init_from {path}: no model.safetensors (nor an index of "
-                          f"shards); save the model with safe_serialization")
     state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(path / f))
+    for f in _weight_files(path):
+        state.update(load_file(f))
     return state
 
 def init_from_pretrained(model: MTPTransformer) -> None:

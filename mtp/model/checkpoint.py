@@ -25,11 +25,14 @@ from tokenizers import Tokenizer
 
 from mtp.config import RENAMED_MODEL_FIELDS, ModelConfig, current_model_fields
 from mtp.model.llama_layout import check_llama_layout, layer_from_llama, llama_layers
+from mtp.model.memory import check_memory, inference_need
 from mtp.model.transformer import MTPTransformer
 from mtp.model.vocab import check_vocab
-from mtp.util.atomic import atomic_write
+from mtp.util.atomic import atomic_file
 from mtp.util.digests import DIGESTS, digest_mismatch, tensor_digests
+from mtp.util.environment import available_memory
 from mtp.util.errors import ConfigError, ExportError, InputError, MissingInput
+from mtp.util.paths import not_a_file
 
 #: The default end-of-text token (`ModelConfig.eot_token`), which mtp's own tokenizers hold.
 EOT_TOKEN = ModelConfig.eot_token
@@ -47,13 +50,25 @@ def mtp_metadata(cfg: ModelConfig, tokenizer: Tokenizer) -> dict:
 
 def stored_model_config(stored: dict, source: str) -> ModelConfig:
     """The model config a checkpoint or export stores, read under today's field names (one
-    written before a rename loads, with a message naming the file and the renamed fields)."""
+    written before a rename loads, with a message naming the file and the renamed fields).
+
+    Raises:
+        InputError: If its values are invalid, or the model they describe needs more memory
+            than the machine has available (`mtp.model.memory`): checked before it is built,
+            naming `source`.
+    """
     renamed = sorted(RENAMED_MODEL_FIELDS.keys() & stored.keys())
     if renamed:
         warnings.warn(f"{source} stores its model config under old names ({', '.join(renamed)}): "
                       f"read as {', '.join(RENAMED_MODEL_FIELDS[k] for k in renamed)}",
                       FutureWarning, stacklevel=3)
-    return ModelConfig(**current_model_fields(stored))
+    try:
+        cfg = ModelConfig(**current_model_fields(stored))
+    except ConfigError as err:
+        raise InputError(f"{source} stores an invalid model config: {err}") from None
+    check_memory(lambda c, sizes: inference_need(c), cfg, {}, available_memory("cpu"),
+                 doing="loading the model", where="on the CPU", error=InputError, source=source)
+    return cfg
 
 
 def check_tensor_digests(ckpt: dict, path: str | os.PathLike) -> None:
@@ -74,7 +89,10 @@ def save_checkpoint(path: str | os.PathLike, model: MTPTransformer, tokenizer: T
     """
     state = {STATE_PREFIX + k: v for k, v in model.state_dict().items()}
     meta = {**mtp_metadata(model.cfg, tokenizer), DIGESTS: tensor_digests(state)}
-    atomic_write(path, lambda tmp: torch.save({"state_dict": state, "mtp": meta}, tmp))
+    # NOTE: into an open file, not by name: torch's own writer reports a full disk as a bare
+    # RuntimeError, a Python file as the OSError it is (`mtp.util.atomic.writing`)
+    with atomic_file(path, "wb", what="the checkpoint") as f:
+        torch.save({"state_dict": state, "mtp": meta}, f)
 
 
 def read_checkpoint(path: str | os.PathLike, *, mmap: bool = False) -> dict:
@@ -83,8 +101,9 @@ def read_checkpoint(path: str | os.PathLike, *, mmap: bool = False) -> dict:
 
     Raises:
         MissingInput: If the file does not exist.
-        InputError: If it is a directory (an export, say), torch cannot read it, or it is not a
-            checkpoint of `mtp fit`.
+        InputError: If it is a directory (an export, say), a pipe, a device or anything else
+            that is not a regular file, torch cannot read it, or it is not a checkpoint of
+            `mtp fit`.
     """
     path = Path(path)
     if path.is_dir():
@@ -94,8 +113,11 @@ def read_checkpoint(path: str | os.PathLike, *, mmap: bool = False) -> dict:
                              "to resume training from; pass a .ckpt file of `mtp fit`")
         raise InputError(f"{path} is a directory, neither a checkpoint file nor an mtp export "
                          f"(no {MTP_CONFIG})")
-    if not path.is_file():
+    problem = not_a_file(path)
+    if problem == "does not exist":
         raise MissingInput(f"checkpoint {path} does not exist")
+    if problem is not None:
+        raise InputError(f"checkpoint {path} {problem}, not a checkpoint file")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as err:  # torch raises KeyError, UnpicklingError, RuntimeError ... here
@@ -166,7 +188,9 @@ def load_export(path: str | os.PathLike) -> tuple[MTPTransformer, Tokenizer]:
         version = meta.get("format_version")
         cfg = stored_model_config(meta["model_config"], str(path / MTP_CONFIG)) \
             if version == FORMAT_VERSION else None
-    except (ValueError, TypeError, KeyError, AttributeError) as err:  # a ConfigError included
+    except InputError as err:  # invalid values, or too large: the message names the file
+        raise ExportError(str(err)) from None
+    except (ValueError, TypeError, KeyError, AttributeError) as err:
         raise ExportError(f"{path / MTP_CONFIG} does not hold an mtp model config: "
                           f"{type(err).__name__}: {err}") from None
     if cfg is None:

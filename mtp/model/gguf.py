@@ -25,6 +25,7 @@ import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from mtp.util.errors import InputError
+from mtp.util.paths import not_a_file
 
 __all__ = ["ARCHITECTURES", "GGUFError", "QUANT_TYPES", "is_gguf", "packaged_model",
            "read_chat_template", "read_config", "read_eos", "read_tokenizer", "read_weights"]
@@ -94,8 +95,9 @@ def _reader(path: str, stamp: tuple[int, int]):
 
 def _open(path: str | os.PathLike):
     path = Path(path)
-    if not path.is_file():
-        raise GGUFError(f"{path} does not exist or is not a file")
+    problem = not_a_file(path)
+    if problem is not None:
+        raise GGUFError(f"{path} {problem}")
     st = path.stat()
     reader = _reader(str(path.resolve()), (st.st_size, st.st_mtime_ns))
     # GGUFReader maps tensors without checking their extent against the file

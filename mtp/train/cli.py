@@ -22,6 +22,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ThroughputMonitor
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from mtp.config import CompileConfig, DataConfig, LossConfig, ModelConfig, OptimConfig, RunConfig
 from mtp.data import MTPDataModule, build_datamodule, unigram_entropy
@@ -29,8 +30,16 @@ from mtp.model.vocab import eot_id
 from mtp.train.fault import LAST, AtomicCheckpointIO, Interruptible, Stopped
 from mtp.train.log_lines import StepLines
 from mtp.train.module import MTPModule, TokenizerInCheckpoint
-from mtp.util.errors import ConfigError
-from mtp.util.yaml_file import read_yaml_mapping
+from mtp.train.preflight import (
+    check_fit_memory,
+    check_room,
+    lightning_refused,
+    place_run,
+    trainer_problems,
+)
+from mtp.util.atomic import DISK_ERRNOS, check_writable, os_error_of, writing
+from mtp.util.errors import ConfigError, ExportError, UserError, WriteError
+from mtp.util.yaml_file import check_yaml_text, read_yaml_mapping
 
 #: Trainer settings of the CPU default run (configs/cpu.yaml spells out the same values).
 TRAINER_DEFAULTS = {
@@ -101,24 +110,37 @@ class MTPCLI(LightningCLI):
     (`mtp.train.fault`)."""
 
     def __init__(self, *args, interrupt: Interruptible, ckpt_path: str | None,
-                 **kwargs) -> None:
+                 trainer_flags: list[str], **kwargs) -> None:
         self.interrupt = interrupt
         self.ckpt_path = ckpt_path
+        self.trainer_flags = trainer_flags  # the --trainer.* settings given, for messages
         super().__init__(*args, **kwargs)
 
     def add_core_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         add_run_arguments(parser)
 
+    def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
+        """Parse, then refuse the `--trainer.*` settings mtp cannot honour and a seed out of
+        range, before LightningCLI seeds anything with it."""
+        super().parse_arguments(parser, args)
+        settings = self.config.get(self.config.get("subcommand"), self.config)
+        problems = trainer_problems(settings.get("trainer"), settings.get("seed_everything"))
+        if problems:
+            raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
+
     def instantiate_classes(self) -> None:
         # the saved config.yaml keeps the version unset: a rerun of it gets a directory of its own
         config = copy.deepcopy(self.config)
-        _claim_log_version(config.get(self.subcommand, config).get("trainer"))
+        settings = config.get(self.subcommand, config)
+        place_run(settings.get("trainer"), TRAINER_DEFAULTS["logger"])
+        # --trainer.fast_dev_run writes no logs or checkpoints: no folder for them either
+        claimed = None if settings.get("trainer").get("fast_dev_run") else \
+            _claim_log_version(settings.get("trainer"))
         self.config_init = self.parser.instantiate_classes(config)
         c = self.config_init[self.subcommand] if self.subcommand else self.config_init
         model, data = c.model, c.data
         if model.init_from is not None:  # the pretrained model's shape and tokenizer
             from mtp.interop.hf_import import pretrained_config, pretrained_tokenizer
-            from mtp.util.errors import ExportError
 
             try:
                 model = pretrained_config(model.init_from, model)
@@ -134,8 +156,19 @@ class MTPCLI(LightningCLI):
             _check_max_steps(c.trainer.max_steps, run.optim)
         if self.ckpt_path:
             _check_resume_checkpoint(Path(self.ckpt_path), run.model)
+        # before the model is built
+        check_fit_memory(run, c.trainer, training=self.subcommand in (None, "fit"))
+        if not c.trainer.fast_dev_run and self.subcommand in (None, "fit"):
+            # the folder of the run's logs and checkpoints: where Lightning puts them
+            folder = claimed or Path(c.trainer.default_root_dir or ".")
+            check_writable(folder, "the run's folder")
+            if c.trainer.enable_checkpointing is not False:
+                check_room(run, c.trainer, folder)
         self.run_config = run
-        self.model = MTPModule(run.model, run.optim, run.loss, run.compile)
+        try:
+            self.model = MTPModule(run.model, run.optim, run.loss, run.compile)
+        except ExportError as e:  # --model.init_from's weights: the message names the file
+            raise ConfigError(str(e)) from None
         self.datamodule = build_datamodule(run.data, vocab_size=run.model.vocab_size,
                                            n_future=run.model.n_future,
                                            eot_token=run.model.eot_token)
@@ -147,7 +180,10 @@ class MTPCLI(LightningCLI):
             from mtp.train.parallel import FSDPStrategy
 
             c.trainer.strategy = FSDPStrategy()
-        self.trainer = self.instantiate_trainer()
+        try:
+            self.trainer = self.instantiate_trainer()
+        except (MisconfigurationException, ValueError, TypeError, ImportError) as err:
+            raise lightning_refused(err, self.trainer_flags) from None
         self.trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         # The resume goes to the trainer here, not through LightningCLI's `--ckpt_path`, which
         # would load the whole checkpoint to read its hyperparameters back as arguments.
@@ -200,10 +236,10 @@ def _check_pretrained_tokenizer(path: Path, model: ModelConfig) -> None:
     end-of-text token and fit the pretrained embedding."""
     from mtp.data.bpe import load_tokenizer
 
-    if not path.is_file():
+    if not path.exists():
         raise ConfigError(f"--data.tokenizer {path} does not exist (--model.init_from "
                           f"{model.init_from} has no tokenizer.json; pass --data.tokenizer)")
-    tok = load_tokenizer(path)
+    tok = load_tokenizer(path)  # names what is not a file
     if tok.token_to_id(model.eot_token) is None:
         raise ConfigError(f"--data.tokenizer {path} has no end-of-text token "
                           f"{model.eot_token!r} (--model.eot_token), which separates documents")
@@ -234,11 +270,12 @@ def report_fit(trainer, module: MTPModule, dm: MTPDataModule, model) -> None:
                       generator=torch.Generator(module.device).manual_seed(0))
     print(f"\nsample (temperature 0.7, top-p 0.95):\n{prompt}{dm.tokenizer.decode(new[0])}\n")
     ckpt = trainer.checkpoint_callback
-    if ckpt is not None and ckpt.dirpath:
+    if ckpt is not None and ckpt.dirpath and (Path(ckpt.dirpath) / LAST).is_file():
         best = f", {ckpt.best_model_path} (best)" if ckpt.best_model_path else ""
         print(f"checkpoints: {Path(ckpt.dirpath) / LAST} (last){best}")
-    if trainer.logger is not None:
-        print(f"TensorBoard: tensorboard --logdir {Path(trainer.logger.log_dir).parent}")
+    log_dir = getattr(trainer.logger, "log_dir", None)  # none under --trainer.fast_dev_run
+    if log_dir:
+        print(f"TensorBoard: tensorboard --logdir {Path(log_dir).parent}")
 
 
 def _take_ckpt_path(argv: list[str]) -> tuple[list[str], str | None]:
@@ -269,7 +306,7 @@ def _check_config_files(argv: list[str]) -> None:
             value = argv[i + 1]
         elif arg.startswith("--config="):
             value = arg.split("=", 1)[1]
-        if value is not None and (Path(value).is_file() or value.endswith((".yaml", ".yml"))):
+        if value is not None and (Path(value).exists() or value.endswith((".yaml", ".yml"))):
             data = read_yaml_mapping(value, f"--config {value}")
             if "ckpt_path" in data or any(isinstance(data.get(cmd), dict) and "ckpt_path"
                                           in data[cmd] for cmd in ("fit", "validate")):
@@ -277,20 +314,56 @@ def _check_config_files(argv: list[str]) -> None:
                                   "(--ckpt_path FILE), not in a config file")
 
 
+def _trainer_flags(argv: list[str]) -> list[str]:
+    """The `--trainer.*` settings given on the command line and in `--config` files, as
+    `--trainer.key value`, for messages about them."""
+    given, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("--trainer."):
+            flag, eq, value = arg.partition("=")
+            if not eq and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                value, i = argv[i + 1], i + 1
+            given.append(f"{flag} {value}".strip())
+        elif arg in ("-c", "--config") and i + 1 < len(argv) and Path(argv[i + 1]).is_file():
+            trainer = read_yaml_mapping(argv[i + 1], f"--config {argv[i + 1]}").get("trainer")
+            if isinstance(trainer, dict):
+                given += [f"--trainer.{k} {v}" for k, v in trainer.items()]
+        i += 1
+    return given
+
+
+def _check_yaml_values(argv: list[str]) -> None:
+    """LightningCLI reads every value of the command line as YAML too: one whose aliases expand
+    past the bound of `mtp.util.yaml_file` is refused, naming its flag."""
+    for i, arg in enumerate(argv):
+        flag, eq, value = arg.partition("=")
+        if not eq:
+            flag, value = (argv[i - 1], arg) if i and argv[i - 1].startswith("--") else ("", "")
+        if value:
+            check_yaml_text(value, flag)
+
+
 def fit_main(argv: list[str]) -> int:
-    """`mtp fit|validate ...`: LightningCLI with mtp's config groups."""
+    """`mtp fit|validate ...`: LightningCLI with mtp's config groups. A write that fails where
+    Lightning or a logger writes (a full disk, a read-only folder, a quota) is named with the
+    run's folder, and settings Lightning refuses once training starts are named with the
+    `--trainer.*` flags given; both exit 2."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     _check_config_files(argv)
+    _check_yaml_values(argv)
     lightning_argv, ckpt_path = _take_ckpt_path(argv)
     # the arguments are given on purpose (without --ckpt_path), also when they came from the
     # command line: LightningCLI's warning about args beside sys.argv does not apply
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
     interrupt = Interruptible(argv)
     interrupt.install()  # from here on, SIGINT / SIGTERM stop the run where it is (mtp.train.fault)
+    trainer_flags = _trainer_flags(lightning_argv)
     try:
         MTPCLI(
             interrupt=interrupt,
             ckpt_path=ckpt_path,
+            trainer_flags=trainer_flags,
             model_class=MTPModule,
             datamodule_class=MTPDataModule,
             args=lightning_argv,
@@ -302,31 +375,44 @@ def fit_main(argv: list[str]) -> int:
         )
     except Stopped:
         pass  # the signal's stage decides what was kept: `report` says it
+    except MisconfigurationException as err:  # settings Lightning refuses once training starts
+        raise lightning_refused(err, trainer_flags) from None
+    except Exception as err:
+        found = os_error_of(err)
+        if isinstance(err, UserError) or found is None or found.errno not in DISK_ERRNOS:
+            raise
+        where = found.filename or interrupt.folder or "the run's folder"
+        raise WriteError(where, "the run's logs or checkpoints", found.errno,
+                         found.strerror) from err
     finally:
         interrupt.uninstall()
     return interrupt.report() or 0
 
 
-def _claim_log_version(trainer) -> None:
+def _claim_log_version(trainer) -> Path | None:
     """Give the run's TensorBoard or CSV logger a ``version_N`` directory of its own, claimed
     with an atomic mkdir: left to themselves, two runs started at once in one directory both
-    take max(existing) + 1 and write into each other's logs and checkpoints."""
+    take max(existing) + 1 and write into each other's logs and checkpoints. Returns the
+    directory (None for other ranks, other loggers, a version given); a folder that cannot be
+    made (read-only, full) is named."""
     logger = trainer.get("logger") if trainer is not None else None
     if rank_zero_only.rank != 0 or not hasattr(logger, "init_args") or \
             logger.class_path.rsplit(".", 1)[-1] not in ("TensorBoardLogger", "CSVLogger") or \
             logger.init_args.get("version") is not None:
-        return  # other ranks, other loggers, a version given
+        return None
     args = logger.init_args
     root = Path(args.get("save_dir") or ".") / (args.get("name") or "")
     if "://" in str(root):
-        return
-    root.mkdir(parents=True, exist_ok=True)
-    taken = [int(d.name[8:]) for d in root.glob("version_*") if d.name[8:].isdigit()]
-    n = max(taken, default=-1) + 1
-    while True:
-        try:
-            (root / f"version_{n}").mkdir()
-            break
-        except FileExistsError:
-            n += 1
+        return None
+    with writing(root, "the folder of the run's logs and checkpoints"):
+        root.mkdir(parents=True, exist_ok=True)
+        taken = [int(d.name[8:]) for d in root.glob("version_*") if d.name[8:].isdigit()]
+        n = max(taken, default=-1) + 1
+        while True:
+            try:
+                (root / f"version_{n}").mkdir()
+                break
+            except FileExistsError:
+                n += 1
     args.version = n
+    return root / f"version_{n}"

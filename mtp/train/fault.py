@@ -42,7 +42,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             raise TypeError("AtomicCheckpointIO takes no storage_options")
         # The lock tells `remove_stale_temporaries` the file is being written; it is held
         # until the rename, so it covers the temporary file's whole life.
-        with atomic_file(path, "wb", prefix=_tmp_prefix(Path(path).name)) as f:
+        with atomic_file(path, "wb", prefix=_tmp_prefix(Path(path).name),
+                         what="the checkpoint") as f:
             lock(f, blocking=True)
             torch.save(checkpoint, f)
 
@@ -90,7 +91,7 @@ def _link(path: Path, target: Path) -> Path:
 
             shutil.copyfile(path, tmp)
 
-    atomic_write(target, link, prefix=_tmp_prefix(target.name))
+    atomic_write(target, link, prefix=_tmp_prefix(target.name), what="the checkpoint")
     return target
 
 
@@ -149,6 +150,7 @@ class Interruptible(L.Callback):
         self._saved_step = -1  # the step of the latest checkpoint saved
         self._previous: dict[int, object] = {}
         self._global_zero = True
+        self.folder: Path | None = None  # the run's logs and checkpoints, once it is set up
 
     # -- the handler -----------------------------------------------------------------------------
     def install(self) -> None:
@@ -176,6 +178,7 @@ class Interruptible(L.Callback):
     # -- stages ----------------------------------------------------------------------------------
     def setup(self, trainer, pl_module, stage) -> None:
         self._global_zero = trainer.is_global_zero
+        self.folder = Path(trainer.log_dir or trainer.default_root_dir)
 
     def on_fit_start(self, trainer, pl_module) -> None:
         self.stage = "the start of training"
@@ -221,7 +224,7 @@ class Interruptible(L.Callback):
     def on_train_end(self, trainer, pl_module) -> None:
         """A run that ends between validations keeps its last steps: ``last.ckpt`` is written
         at the final step too (Lightning writes it only after a validation)."""
-        folder = self._folder(trainer)
+        folder = None if trainer.fast_dev_run else self._folder(trainer)  # writes nothing
         if folder is not None:
             if self._saved_step != trainer.global_step:
                 trainer.save_checkpoint(folder / LAST)

@@ -15,7 +15,8 @@ from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
 
-__all__ = ["REPO", "environment", "git_state", "versions"]
+__all__ = ["REPO", "available_memory", "current_rss", "environment", "free_disk", "git_state",
+           "versions"]
 
 #: The checkout the code runs from (the parent of the `mtp` package).
 REPO = Path(__file__).resolve().parents[1]
@@ -71,3 +72,60 @@ def environment() -> dict[str, str]:
         "git_rev": rev + ("+dirty" if dirty else ""),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
+
+
+def _cgroup_room() -> int | None:
+    """Bytes the process's cgroup (v2, or v1) may still take, None where it sets no limit."""
+    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                          "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            cap = Path(limit).read_text().strip()
+            used = int(Path(usage).read_text())
+        except (OSError, ValueError):
+            continue
+        if cap.isdigit() and int(cap) < 1 << 60:  # v1 writes an unlimited cap as ~2**63
+            return max(0, int(cap) - used)
+    return None
+
+
+def available_memory(device: str = "cpu") -> int:
+    """Bytes that new allocations can take on `device` (``cpu``, or ``cuda`` for the first GPU
+    Lightning would use): the memory the kernel counts as available (``MemAvailable``, which
+    counts page cache as free), and no more than the cgroup's limit leaves; for a GPU, its free
+    memory."""
+    if device.startswith("cuda"):
+        import torch
+
+        return int(torch.cuda.mem_get_info(torch.device(device))[0])
+    room = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                room = int(line.split()[1]) * 1024
+                break
+    except (OSError, ValueError):
+        pass
+    if room is None:  # no /proc: the free physical pages
+        room = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    cgroup = _cgroup_room()
+    return room if cgroup is None else min(room, cgroup)
+
+
+def current_rss() -> int:
+    """Bytes resident in memory for this process now (Linux)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def free_disk(path: str | os.PathLike) -> int | None:
+    """Bytes free to an unprivileged user on the file system that holds `path` (or the nearest
+    folder above it that exists); None where that cannot be read."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize

@@ -3,7 +3,7 @@ flag, file or value, and exits 2 (`mtp.cli`)."""
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "ExportError", "InputError", "MissingInput", "UserError"]
+__all__ = ["ConfigError", "ExportError", "InputError", "MissingInput", "UserError", "WriteError"]
 
 
 class UserError(Exception):
@@ -21,6 +21,23 @@ class InputError(ValueError, UserError):
 
 class MissingInput(FileNotFoundError, UserError):
     """A file or directory given to mtp does not exist or holds nothing usable."""
+
+
+class WriteError(OSError, UserError):
+    """A file mtp writes could not be written: a full disk, a read-only folder, a quota. An
+    `OSError` still (with the original errno, message and the path), so that code which handles
+    an operating system's error goes on handling it; `str` gives the one line `mtp` prints,
+    naming the path and what was being written (`mtp.util.atomic.writing`)."""
+
+    def __init__(self, path: object, what: str, errno: int | None, strerror: str) -> None:
+        super().__init__(errno, strerror, str(path))
+        self.what = what
+
+    def __str__(self) -> str:
+        return f"cannot write {self.what} {self.filename}: {self.strerror}"
+
+    def __reduce__(self):  # pickled across processes (DDP ranks) with its own arguments
+        return type(self), (self.filename, self.what, self.errno, self.strerror)
 
 
 class ExportError(ValueError):

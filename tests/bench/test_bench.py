@@ -215,3 +215,17 @@ def test_bench_decode_records_the_batch_size_it_ran(ckpt, tmp_path):
                            "greedy", "--repeat", "1", "--csv", str(out)]) == 0
     rows = list(csv.DictReader(out.open()))
     assert rows and all(r["batch_size"] == "2" for r in rows)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["train", "--batch-size", "100000000"], "lower --batch-size 100000000"),
+    (["loss", "--n", "1000000000000", "--seq-len", "1000"], "lower --n 1000000000000"),
+    (["loss", "--d", "1000000", "--vocab", "1000000"], "lower --d 1000000"),
+], ids=["train-batch", "loss-tokens", "loss-width"])
+def test_bench_sizes_beyond_the_memory_are_refused_before_any_tensor(args, message, tmp_path,
+                                                                      capsys):
+    from mtp.cli import main as mtp_main
+
+    assert mtp_main(["bench", *args, "--csv", str(tmp_path / "x.csv")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "needs about" in err and "of memory available on " in err

@@ -53,3 +53,19 @@ def test_given_tokenizer_must_fit_model_vocabulary(tiny_corpus, tmp_path):
     with pytest.raises(FileNotFoundError, match="--data.tokenizer"):
         MTPDataModule(DataConfig(tokenizer=str(tmp_path / "missing.json")), vocab_size=300,
                       n_future=2)._prepare()
+
+
+def test_a_tokenizer_that_is_a_device_or_a_pipe_is_named_for_what_it_is(tmp_path):
+    import os
+
+    from mtp.data.bpe import load_tokenizer
+    from mtp.util.errors import InputError, MissingInput
+
+    os.mkfifo(tmp_path / "tok.json")
+    with pytest.raises(InputError, match=f"--data.tokenizer {tmp_path / 'tok.json'} is a named "
+                                         "pipe, not a tokenizer file"):
+        load_tokenizer(tmp_path / "tok.json")
+    with pytest.raises(InputError, match="--data.tokenizer /dev/zero is a character device"):
+        load_tokenizer("/dev/zero")
+    with pytest.raises(MissingInput, match="does not exist"):
+        load_tokenizer(tmp_path / "missing.json")

@@ -197,3 +197,22 @@ def test_tiny_corpus_holds_out_its_last_document(tmp_path):
     assert meta["documents"] == {"train": 1, "val": 1}
     val = np.fromfile(tmp_path / "shard" / "val.bin", np.uint16).tolist()
     assert tok.decode(val[:-1]) == (corpus / "b.py").read_text()
+
+
+def test_a_full_disk_while_tokenising_is_named_and_the_rerun_builds_the_same_shard(
+        tiny_corpus, tmp_path, monkeypatch):
+    from disk_helpers import failing_fsync
+
+    from mtp.util.errors import WriteError
+
+    spec, tok = _spec_and_tokenizer(tiny_corpus)
+    failing_fsync(monkeypatch, "train.bin.partial")
+    with pytest.raises(WriteError) as err:
+        build_shards(spec, tok, tmp_path / "a", workers=1)
+    assert str(err.value) == f"cannot write a token shard {tmp_path / 'a' / 'train.bin.partial'}" \
+                             ": No space left on device"
+    assert not (tmp_path / "a" / "meta.json").exists()  # not trusted: rebuilt next time
+    monkeypatch.undo()
+    build_shards(spec, tok, tmp_path / "a", workers=1)
+    build_shards(spec, tok, tmp_path / "b", workers=1)
+    assert _shard_bytes(tmp_path / "a") == _shard_bytes(tmp_path / "b")

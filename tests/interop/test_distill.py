@@ -187,3 +187,35 @@ def test_continue_style_writes_the_greedy_continuations_of_code(setup):
         text = tok.decode(ids, skip_special_tokens=False) + tok.decode(
             new[:-1] if finished else new, skip_special_tokens=False)
         assert row == {"text": text, "request": None, "finished": finished}
+
+
+def test_an_out_that_cannot_be_written_is_named_and_keeps_its_lines(setup, monkeypatch, capsys):
+    """Issue 41, case 6: `--out` in a read-only folder is one line naming the file, exit 2; a
+    disk that fills mid-run keeps every line written before, and the same command goes on."""
+    from disk_helpers import failing_writes, read_only_folder
+
+    tmp, src, _, _ = setup
+    base = ["distill", "--model", str(tmp / "m.ckpt"), "--source", str(src),
+            "--max-new-tokens", "4", "--batch-size", "1"]
+    with read_only_folder(tmp / "ro") as ro:
+        with pytest.raises(SystemExit) as exit_:
+            main([*base, "--out", str(ro / "d.jsonl")])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert f"--out: cannot write the distilled corpus {ro / 'd.jsonl'}: " in err
+        assert "Traceback" not in err and not (ro / "d.jsonl").exists()
+    out = tmp / "d.jsonl"
+    assert main([*base, "--out", str(out), "--requests", "2"]) == 0
+    before = out.read_text()
+    failing_writes(monkeypatch, "d.jsonl")
+    with pytest.raises(SystemExit):
+        main([*base, "--out", str(out), "--requests", "4"])
+    err = capsys.readouterr().err
+    assert f"--out: cannot write the distilled corpus {out}: No space left on device; the 2 " \
+           "answers before are kept" in err
+    assert out.read_text() == before
+    monkeypatch.undo()
+    assert main([*base, "--out", str(out), "--requests", "4"]) == 0
+    lines = out.read_text().splitlines()
+    assert len(lines) == 4 and "\n".join(lines[:2]) + "\n" == before
+    assert [json.loads(line)["request"] for line in lines] == requests(src, 4, seed=0)

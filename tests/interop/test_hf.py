@@ -207,3 +207,29 @@ def test_a_tokenizer_larger_than_the_embedding_is_refused(tmp_path, tokenizer):
     n = bigger.get_vocab_size()
     with pytest.raises(ValueError, match=f"has {n} tokens but the model's vocabulary"):
         load_checkpoint(out)
+
+
+def test_cli_export_to_a_full_disk_is_named_and_leaves_nothing(tmp_path, tokenizer, monkeypatch,
+                                                               capsys):
+    """Issue 41, case 5: a full disk while `mtp export hf` writes is one line naming --output,
+    exit 2, no temporary folder left; on a real small disk safetensors' own error is named the
+    same way."""
+    from disk_helpers import failing_fsync, small_disk
+
+    ckpt = tmp_path / "model.ckpt"
+    save_checkpoint(ckpt, _model(2), tokenizer)
+    failing_fsync(monkeypatch, "model.safetensors")
+    out = tmp_path / "hf"
+    assert cli_main(["export", "hf", "--ckpt", str(ckpt), "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"mtp export: error: --output: cannot write the export {out}: No space left on " \
+           "device; nothing was left there" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.ckpt"]
+    monkeypatch.undo()
+    with small_disk(tmp_path / "disk", "64k") as disk:
+        assert cli_main(["export", "hf", "--ckpt", str(ckpt), "--output",
+                         str(disk / "hf")]) == 2
+        err = capsys.readouterr().err
+        assert f"cannot write the export {disk / 'hf'}: No space left on device" in err
+        assert "Traceback" not in err and "SafetensorError" not in err
+        assert list(disk.iterdir()) == []

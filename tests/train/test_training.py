@@ -336,7 +336,8 @@ def test_train_accuracy_is_computed_on_the_steps_that_are_logged(tiny_corpus, tm
     assert len(asked) == 12 and logged == computed == [3, 7, 11]
 
 
-HELP_LINES = [[], ["fit"], ["validate"], ["generate"], ["eval"], ["export"], ["export", "hf"],
+HELP_LINES = [[], ["fit"], ["validate"], ["generate"], ["demo"], ["eval"], ["export"],
+              ["export", "hf"],
               ["bench"], *[["bench", b] for b in ("loss", "train", "kernel", "decode", "tokenize",
                                                  "sandbox")]]
 
