@@ -1,7 +1,7 @@
 """The `mtp` command: one line per subcommand, each imported only when it runs, so that
 `mtp --help` answers at once (torch and Lightning take seconds to import).
 
-    mtp fit | validate | generate | eval | bench | export | distill | lm-eval ...
+    mtp fit | validate | generate | demo | eval | bench | export | distill | lm-eval ...
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ COMMANDS = {
     "fit": "train a model (LightningCLI; `mtp fit --help`)",
     "validate": "evaluate a checkpoint's validation loss (LightningCLI)",
     "generate": "decode from a checkpoint with any decoder",
+    "demo": "a local page: greedy and the heads race, tokens coloured by who drafted them",
     "eval": "HumanEval / MBPP: generate or score completions, pass@k",
     "bench": "benchmarks: loss | train | kernel | decode | tokenize | sandbox",
     "export": "write a checkpoint for transformers (`export hf`) or vLLM Medusa (`export medusa`)",
@@ -67,6 +68,10 @@ def _dispatch(argv: list[str]) -> int:
         from mtp.decoding.cli import generate_main
 
         return generate_main(rest)
+    if cmd == "demo":
+        from mtp.demo.cli import demo_main
+
+        return demo_main(rest)
     if cmd == "eval":
         from mtp.eval.cli import main as eval_main
 

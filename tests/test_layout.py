@@ -338,3 +338,16 @@ def test_the_heads_loss_has_one_home():
                                                                   node.name):
                 elsewhere.append(f"{path.relative_to(ROOT)}:{node.name}")
     assert not elsewhere, elsewhere
+
+
+def test_every_package_of_the_tree_is_one_a_wheel_installs():
+    """A folder with an `__init__.py` missing from `[tool.setuptools] packages` is left out of a
+    wheel (an editable install still finds it, so nothing else here would notice)."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+                 ["packages"])
+    found = {".".join([p for p in (package, *init.relative_to(folder).parent.parts) if p])
+             for package, folder in PACKAGES.items() for init in folder.rglob("__init__.py")}
+    assert found - listed == set(), "add them to pyproject.toml's packages"
+    assert listed - found == set()

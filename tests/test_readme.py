@@ -98,6 +98,8 @@ PARSE_ONLY = {
 RUN_ELSEWHERE = {
     ("lm-eval",): "tests/interop/test_lmeval.py (lm-eval tasks built from a local JSON file, "
                   "--model mtp against --model hf on the export)",
+    ("demo",): "tests/decoding/test_demo.py (`mtp demo` serving a small checkpoint, driven "
+               "through its API) and tests/integration/test_demo_browser.py (in Chromium)",
 }
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from mtp.decoding.drafters import Drafter
+from mtp.decoding.drafters import Drafter, tree_origins
 from mtp.decoding.engine import Context, Proposal, Verified
 from mtp.decoding.sampling import multinomial
 from mtp.decoding.tree import Tree, TreeTensors
@@ -47,7 +47,8 @@ class CascadedHeads(Drafter):
         self.tree = None if tree is None else tree.pruned(heads - 1)
         self.top = max(self.tree.widths(), default=1) if self.tree is not None else 1
         self.max_drafts = self.depths if self.tree is None else self.tree.depth
-        self.by_depth: dict[int, TreeTensors] = {}
+        # the tree (or chain) of a round with n drafts, and its nodes' origins: depth d, head d + 1
+        self.by_depth: dict[int, tuple[TreeTensors, torch.Tensor]] = {}
         # a draft vocabulary's unembedding rows, gathered once per decode, not once per level
         self.rows = model.head_unembed(1).detach() if model.cfg.draft_vocab else None
 
@@ -96,12 +97,14 @@ class CascadedHeads(Drafter):
         ctx.timer.lap("draft")
         if n not in self.by_depth:
             tree = Tree.from_widths([1] * n) if self.tree is None else self.tree.pruned(n)
-            self.by_depth[n] = TreeTensors.build(tree, pending.device)
-        tokens, q = self._grow(ctx, pending, self.by_depth[n], n)
+            tt = TreeTensors.build(tree, pending.device)
+            self.by_depth[n] = tt, tree_origins(tt, len(tree.paths))
+        tt, origins = self.by_depth[n]
+        tokens, q = self._grow(ctx, pending, tt, n)
         ctx.timer.lap("draft")
-        if self.tree is None:
-            return Proposal(tokens, n, q=q)
-        return Proposal(tokens, n, tree=self.by_depth[n])
+        if self.tree is None:  # the chain's nodes are in order: node j at depth j
+            return Proposal(tokens, n, q=q, origins=origins)
+        return Proposal(tokens, n, tree=tt, origins=origins)
 
     def _run(self, ctx: Context, j: int, x, tokens, positions, slots, mask) -> torch.Tensor:
         """Depth j over cells at `positions` (B, T): inputs x (B, T, d) and `tokens` (B, T);

@@ -1,9 +1,10 @@
 """`mtp generate`: decoding one prompt from a checkpoint, and the decoding flags it shares with
 `mtp bench decode` (`mtp.bench.decode`).
 
-`mtp generate` streams one completion, with the tokens that came from accepted drafts shown apart
-from those the verifier added (colour on a terminal, `[[...]]` otherwise), and ends with tokens,
-forwards, L, ms/token and the speedup over greedy measured right after.
+`mtp generate` streams one completion through `generate`'s streaming hook, the hook `mtp demo`'s
+page hears too: the tokens that came from accepted drafts are shown apart from those the verifier
+added (each origin in its colour on a terminal, `[[...]]` otherwise) and counted by origin, and
+the run ends with tokens, forwards, L, ms/token and the speedup over greedy measured right after.
 
 The decoding flags map to a `mtp.decoding.DecodeRequest`, whose one validator holds every rule of
 a request; this module only maps the request's fields to flags (`flag`), so each problem names
@@ -15,8 +16,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections import Counter
+from itertools import groupby
 
 from mtp.decoding.names import DECODERS, LOOKUP_TOKENS
+from mtp.decoding.origin import DRAFT_MODEL, HEAD_1, LOOKUP, ORACLE, origin_name
 
 # --------------------------------------------------------------------------------------------
 # Arguments shared by both commands: flags map to a `mtp.decoding.DecodeRequest`, which checks them
@@ -75,17 +79,33 @@ def decode_request(args: argparse.Namespace, **fields):
     return DecodeRequest(**{**flags, **fields})
 
 
+def threads_problem(threads: int | None) -> str | None:
+    """What is wrong with `--threads`, or None: at least one, and no more than the CPUs this
+    process may run on (more only compete for them, and torch fails to start tens of
+    thousands)."""
+    import os
+
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if threads is not None and not 1 <= threads <= (cpus or 1):
+        return f"--threads must be in [1, {cpus}], the CPUs this process may run on (got " \
+               f"{threads})"
+    return None
+
+
 def check_args(args: argparse.Namespace):
     """The flags beside a request's, before anything loads: `--tree` as a `mtp.decoding.Tree`
-    or `DynamicTree` (None where it is refused) and the problems of `--tree`, `--threads` and
-    `--device`."""
+    or `DynamicTree` (None where it is refused) and the problems of `--tree`, `--threads`,
+    `--seed` and `--device`."""
     import torch
 
+    from mtp.config import seed_problem
     from mtp.decoding.tree import MAX_TREE_NODES, DynamicTree, Tree
 
     problems = []
-    if args.threads is not None and args.threads < 1:
-        problems.append(f"--threads must be >= 1 (got {args.threads})")
+    if (problem := threads_problem(args.threads)) is not None:
+        problems.append(problem)
+    if (problem := seed_problem("--seed", args.seed)) is not None:
+        problems.append(problem)
     try:
         torch.device(args.device)
     except RuntimeError as e:
@@ -169,18 +189,25 @@ def summary(stats) -> str:
 
 
 class _Stream:
-    """Writes a row's text as tokens arrive, accepted drafts shown apart from verifier tokens.
+    """Writes a row's text as tokens arrive, each token shown by its origin: the verifier's plain,
+    accepted drafts in their origin's colour on a terminal, between `[[` and `]]` otherwise.
+    It hears the tokens through `generate`'s streaming hook (`on_tokens`), as `mtp demo`'s page
+    does, and counts them by origin, so the terminal and the page tell the same story.
 
     Text is decoded from all tokens so far (byte-level BPE: a character may span tokens); a
     partial UTF-8 character (decoded as U+FFFD) is held back until its last byte arrives.
     """
 
-    COLOURS = {"draft": "\033[36m", "end": "\033[0m"}
+    #: ANSI colours by origin, the hues of `mtp demo`'s page; heads past 4 share one.
+    COLOURS = {2: "\033[36m", 3: "\033[32m", 4: "\033[33m", LOOKUP: "\033[34m",
+               DRAFT_MODEL: "\033[35m", ORACLE: "\033[90m"}
+    MORE_HEADS, END = "\033[95m", "\033[0m"
 
     def __init__(self, decode, show: str) -> None:
         self.decode, self.show, self.out = decode, show, sys.stdout
         self.tokens: list[int] = []
         self.text = ""
+        self.counts: Counter[int] = Counter()
 
     def _advance(self, tokens: list[int]) -> str:
         self.tokens += tokens
@@ -189,16 +216,25 @@ class _Stream:
         self.text = max(stable, self.text, key=len)
         return new
 
-    def _mark(self, text: str) -> str:
-        if not text or self.show == "none":
-            return text
-        if self.show == "color":
-            return f"{self.COLOURS['draft']}{text}{self.COLOURS['end']}"
-        return f"[[{text}]]"
+    def _colour(self, origin: int) -> str:
+        return self.COLOURS.get(origin, self.MORE_HEADS)
 
-    def __call__(self, row: int, tokens: list[int], drafted: int) -> None:
-        drafts = self._mark(self._advance(tokens[:drafted]))
-        self.out.write(drafts + self._advance(tokens[drafted:]))
+    def __call__(self, row: int, tokens: list[int], origins: list[int]) -> None:
+        self.counts.update(origins)
+        # Runs of one origin in colour; with markers, a round's drafts as one run.
+        key = (lambda o: o) if self.show == "color" else (lambda o: o != HEAD_1)
+        start, parts = 0, []
+        for _, run in groupby(origins, key=key):
+            n = len(list(run))
+            text, origin = self._advance(tokens[start : start + n]), origins[start]
+            start += n
+            if not text or origin == HEAD_1 or self.show == "none":
+                parts.append(text)
+            elif self.show == "color":
+                parts.append(f"{self._colour(origin)}{text}{self.END}")
+            else:
+                parts.append(f"[[{text}]]")
+        self.out.write("".join(parts))
         self.out.flush()
 
     def finish(self, tokens: list[int]) -> None:
@@ -206,11 +242,21 @@ class _Stream:
         self.out.write(self.decode(tokens)[len(self.text):] + "\n")
         self.out.flush()
 
+    def by_origin(self) -> str:
+        """The tokens counted by origin, head 1 first, in the colours of the text."""
+        names = []
+        for origin in sorted(self.counts, key=lambda o: (o < HEAD_1, abs(o))):
+            name = origin_name(origin)
+            if self.show == "color" and origin != HEAD_1:
+                name = f"{self._colour(origin)}{name}{self.END}"
+            names.append(f"{name} {self.counts[origin]}")
+        return "tokens by origin: " + ", ".join(names)
+
     def legend(self) -> str:
         if self.show == "color":
-            return f"{self._mark('coloured')}: tokens from accepted drafts"
+            return f"coloured: tokens from accepted drafts; {self.by_origin()}"
         if self.show == "markers":
-            return "[[...]]: tokens from accepted drafts"
+            return f"[[...]]: tokens from accepted drafts; {self.by_origin()}"
         return ""
 
 

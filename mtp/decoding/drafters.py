@@ -19,6 +19,10 @@ Cascaded heads, each reading the one before, draft with `mtp.decoding.cascaded.C
 Heads 2..h run only on the tokens a round committed, after acceptance: their caches then only
 ever hold the committed sequence, and a tree forward does not pay the draft heads for its
 rejected branches.
+
+Each proposal says who proposed each node (`Proposal.origins`, `mtp.decoding.origin`): a node at
+depth d of the heads' chain or tree is head d + 1's, a lookup branch's nodes are `LOOKUP`'s. A
+drafter builds those codes once per shape, so a round pays nothing for them.
 """
 
 from __future__ import annotations
@@ -38,13 +42,29 @@ from mtp.decoding.engine import (
     new_cache,
     prefill,
 )
+from mtp.decoding.origin import DRAFT_MODEL, HEAD_1, LOOKUP, ORACLE
 from mtp.decoding.sampling import multinomial
 from mtp.decoding.stacked import stacked_heads
 from mtp.decoding.tree import DynamicTree, Tree, TreeTensors
 from mtp.model.transformer import MTPTransformer
 
 __all__ = ["DraftModel", "Drafter", "Oracle", "ParallelHeads", "ParallelHeadsDynamicTree",
-           "ParallelHeadsTree"]
+           "ParallelHeadsTree", "chain_origins", "tree_origins"]
+
+
+def chain_origins(code: int, n: int, device: torch.device) -> torch.Tensor:
+    """The origins (n + 1,) of a chain of n drafts that all come from `code`, after the root."""
+    origins = torch.full((n + 1,), code, dtype=torch.long, device=device)
+    origins[0] = HEAD_1
+    return origins
+
+
+def tree_origins(tt: TreeTensors, n_tree: int) -> torch.Tensor:
+    """The origins (N + 1,) of a heads' tree: a node at depth d is head d + 1's (the root head
+    1's); nodes from n_tree on are a lookup branch's."""
+    origins = tt.depth + HEAD_1
+    origins[n_tree:] = LOOKUP
+    return origins
 
 
 class Drafter:
@@ -85,6 +105,8 @@ class ParallelHeads(Drafter):
         self.stacked = stacked_heads(model, heads)
         self.max_drafts = heads - 1
         self.drafts = self.q = None
+        # node j of the chain is head j + 1's draft
+        self.origins = torch.arange(HEAD_1, heads + 1, device=next(model.parameters()).device)
         # Trunk outputs (B, 1, d) and rotary tables of tokens committed by rounds that drafted
         # nothing, not yet run through the draft heads (see `advance`).
         self.backlog: list[Trunk] = []
@@ -153,7 +175,8 @@ class ParallelHeads(Drafter):
         self._catch_up_for(ctx, n)
         tokens = torch.cat([pending[:, None], self.drafts[:, :n]], dim=1)
         ctx.timer.lap("draft")
-        return Proposal(tokens, n, q=None if self.q is None else self.q[:, :n])
+        return Proposal(tokens, n, q=None if self.q is None else self.q[:, :n],
+                        origins=self.origins)
 
     def advance(self, ctx, v) -> None:
         if v.proposal.n == 0:
@@ -192,8 +215,8 @@ class ParallelHeadsTree(ParallelHeads):
         extra = lookup.tokens if lookup is not None else 0
         self.max_drafts = max(self.tree.depth, extra)
         # Trees (the tree cut to fewer levels near the end, or each round's own) with a lookup
-        # branch of some length.
-        self.by_shape: dict[tuple[tuple, int], TreeTensors] = {}
+        # branch of some length, and their nodes' origins.
+        self.by_shape: dict[tuple[tuple, int], tuple[TreeTensors, torch.Tensor]] = {}
 
     @property
     def slots_needed(self) -> int:
@@ -211,12 +234,15 @@ class ParallelHeadsTree(ParallelHeads):
         """The tree of a round with at most n levels and a lookup branch of m tokens."""
         return self.tree.pruned(n)
 
-    def _tensors(self, tree: Tree, m: int, device: torch.device) -> TreeTensors:
+    def _tensors(self, tree: Tree, m: int,
+                 device: torch.device) -> tuple[TreeTensors, torch.Tensor]:
+        """The tree with a lookup branch of m tokens, and its nodes' origins."""
         key = (tree.paths, m)
         if key not in self.by_shape:
             if len(self.by_shape) >= 4096:  # dynamic trees: keep the recent shapes only
                 self.by_shape.pop(next(iter(self.by_shape)))
-            self.by_shape[key] = TreeTensors.build(tree, device, chain=m)
+            tt = TreeTensors.build(tree, device, chain=m)
+            self.by_shape[key] = tt, tree_origins(tt, len(tree.paths))
         return self.by_shape[key]
 
     def propose(self, ctx, pending, n) -> Proposal:
@@ -224,7 +250,7 @@ class ParallelHeadsTree(ParallelHeads):
         chain = self.lookup.padded(ctx, n, pending.device) if self.lookup is not None else None
         m = 0 if chain is None else chain.shape[1]
         tree = self._round_tree(ctx, n, m)
-        tt = self._tensors(tree, m, pending.device)
+        tt, origins = self._tensors(tree, m, pending.device)
         # Node j holds candidate rank[j] of head depth[j] + 1; the root holds pending.
         n_tree = len(tree.paths)
         tokens = self.drafts[:, (tt.depth[:n_tree] - 1).clamp(min=0), tt.rank[:n_tree]]
@@ -232,7 +258,7 @@ class ParallelHeadsTree(ParallelHeads):
         if m:
             tokens = torch.cat([tokens, chain], dim=1)
         ctx.timer.lap("tree")
-        return Proposal(tokens, max(tree.depth, m), tree=tt)
+        return Proposal(tokens, max(tree.depth, m), tree=tt, origins=origins)
 
 
 class ParallelHeadsDynamicTree(ParallelHeadsTree):
@@ -284,6 +310,7 @@ class DraftModel(Drafter):
 
     def __init__(self, draft_model: MTPTransformer, gamma: int) -> None:
         self.model, self.max_drafts = draft_model, gamma
+        self.origins = chain_origins(DRAFT_MODEL, gamma, next(draft_model.parameters()).device)
 
     def start(self, ctx, prompts, trunk, pending) -> None:
         self.cache = new_cache(self.model, len(prompts), ctx.cache.max_len)
@@ -313,7 +340,7 @@ class DraftModel(Drafter):
             inp = drafts[-1][:, None]
         tokens = torch.stack([pending, *drafts], dim=1)  # (B, n+1)
         ctx.timer.lap("draft")
-        return Proposal(tokens, n, q=torch.stack(qs, 1) if qs else None)
+        return Proposal(tokens, n, q=torch.stack(qs, 1) if qs else None, origins=self.origins)
 
     def advance(self, ctx, v) -> None:
         if v.proposal.n == 0:
@@ -336,6 +363,9 @@ class Oracle(Drafter):
     def __init__(self, reference: Sequence[Sequence[int]], n: int) -> None:
         self.reference, self.max_drafts = [list(r) for r in reference], n
 
+    def start(self, ctx, prompts, trunk, pending) -> None:
+        self.origins = chain_origins(ORACLE, self.max_drafts, pending.device)
+
     def propose(self, ctx, pending, n) -> Proposal:
         out = ctx.stopper.out
         rows = []
@@ -344,4 +374,4 @@ class Oracle(Drafter):
             rows.append((self.reference[r][done : done + n] + [0] * n)[:n])
         drafts = torch.tensor(rows, dtype=torch.long, device=pending.device).view(len(rows), n)
         ctx.timer.lap("draft")
-        return Proposal(torch.cat([pending[:, None], drafts], dim=1), n)
+        return Proposal(torch.cat([pending[:, None], drafts], dim=1), n, origins=self.origins)

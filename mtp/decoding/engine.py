@@ -10,7 +10,8 @@ separate model, `oracle` the tokens greedy will emit. A round:
 3. accept: the exact rule for a chain or a tree (`mtp.decoding.acceptance`);
 4. advance: the drafter takes in the committed tokens (`Drafter.advance`: heads 2..h draft the
    next round from there), the cache lengths move past them, the stopper takes each row's new
-   tokens (`_emit`), and finished rows leave the batch.
+   tokens (`_emit`; with their origins where `generate`'s `on_tokens` listens, the streaming
+   hook: `mtp.decoding.origin`), and finished rows leave the batch.
 
 A token is *committed* once acceptance keeps it: it belongs to the output, and its keys and
 values stay in the cache (a tree's accepted path is moved to contiguous slots by `_accept`).
@@ -38,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from mtp.decoding.acceptance import accept_chain, accept_tree
+from mtp.decoding.origin import HEAD_1
 from mtp.decoding.sampling import Sampling
 from mtp.decoding.stats import DecodeStats, Timer
 from mtp.decoding.stopper import Stopper
@@ -80,6 +82,9 @@ class Proposal:
     n: int  # drafts per row: the chain's length or the tree's depth
     tree: TreeTensors | None = None  # None: a chain, tokens[:, 1:] in order
     q: torch.Tensor | None = None  # (B, n, V): the chain's proposal distribution when sampling
+    # (>= T,): each node's origin (`mtp.decoding.origin`), node j's at j, the root's HEAD_1; it
+    # may run past T (a drafter keeps one for its longest round). None: nothing drafted.
+    origins: torch.Tensor | None = None
 
 
 @dataclass
@@ -92,6 +97,7 @@ class Verified:
     accepted: torch.Tensor  # (B,) drafts accepted per row; path[b, accepted[b]] is the last
     next_token: torch.Tensor  # (B,) the verifier's token after them: the next pending token
     emitted: list[list[int]]  # each row's new tokens: the accepted drafts, then next_token
+    origins: list[list[int]] | None  # each emitted token's origin, where a listener asked
 
 
 # --------------------------------------------------------------------------------------------
@@ -199,10 +205,19 @@ def _accept(ctx: Context, prop: Proposal, logits: torch.Tensor, trunk: Trunk) ->
         a = prop.tree.depth[last]
         full = prop.tree.path[last]  # (B, D+1): root .. last, padded with last
         toks = prop.tokens.gather(1, full)
-    # One host transfer for the round's tokens and counts.
-    host = torch.cat([toks, nxt[:, None], a[:, None]], dim=1).tolist()
-    emitted = [r[1 : 1 + r[-1]] + [r[-2]] for r in host]
-    top = max(r[-1] for r in host)
+    # One host transfer for the round's tokens and counts, and for a listener only
+    # (`Stopper.listening`) the origins of the committed tokens: unheard, they cost nothing.
+    parts, w = [toks, nxt[:, None], a[:, None]], toks.shape[1]
+    listening = ctx.stopper.listening
+    if listening and prop.n:  # (a round that drafted nothing accepted no draft)
+        origins = prop.origins[: prop.tokens.shape[1]]
+        parts.append(origins.expand(len(toks), -1) if full is None else origins[full])
+    host = torch.cat(parts, dim=1).tolist()
+    # A row: the committed tokens (w of them), the verifier's token, the number of drafts
+    # accepted, then where listened to the committed tokens' origins (w).
+    emitted = [r[1 : 1 + r[w + 1]] + [r[w]] for r in host]
+    heard = [r[w + 3 : w + 3 + r[w + 1]] + [HEAD_1] for r in host] if listening else None
+    top = max(r[w + 1] for r in host)
     ctx.timer.lap("accept")
     if full is None:
         path = torch.arange(top + 1, device=a.device).expand(len(host), -1)
@@ -211,18 +226,18 @@ def _accept(ctx: Context, prop: Proposal, logits: torch.Tensor, trunk: Trunk) ->
         # Padding copies land past the new length, where nothing reads them.
         ctx.cache.compact(ctx.cache.lengths[:, None] + path, ctx.cache.lengths)
         ctx.timer.lap("cache")
-    return Verified(prop, trunk, path, a, nxt, emitted)
+    return Verified(prop, trunk, path, a, nxt, emitted, heard)
 
 
-def _emit(ctx: Context, emitted: list[list[int]], drafted: list[int]) -> torch.Tensor | None:
-    """Hand each row's new tokens to the stopper and count the round; returns the batch indices
-    of the rows that go on if some finished (else None)."""
+def _emit(ctx: Context, emitted: list[list[int]],
+          origins: list[list[int]] | None) -> torch.Tensor | None:
+    """Hand each row's new tokens (and their origins, where a listener asked) to the stopper and
+    count the round; returns the batch indices of the rows that go on if some finished (else
+    None)."""
     alive, kept = [], []
     lengths = ctx.cache.lengths.tolist()
-    for i, (row, toks, n_drafted, n_cached) in enumerate(
-        zip(ctx.rows, emitted, drafted, lengths, strict=True)
-    ):
-        n, done = ctx.stopper.extend(row, toks, n_drafted)
+    for i, (row, toks, n_cached) in enumerate(zip(ctx.rows, emitted, lengths, strict=True)):
+        n, done = ctx.stopper.extend(row, toks, None if origins is None else origins[i])
         kept.append(n)
         # A row whose sequence fills the context length (cache + pending token) also ends.
         if not done and n_cached + 1 < ctx.context_len:
@@ -241,7 +256,8 @@ def run(ctx: Context, prompts: list[list[int]], drafter, policy) -> None:
     pending = ctx.sampling.choose(ctx.model.unembed(hidden), ctx.generator)  # (B,)
     ctx.timer.lap("accept")
     drafter.start(ctx, prompts, trunk, pending)
-    keep = _emit(ctx, [[t] for t in pending.tolist()], [0] * len(prompts))
+    first = [[HEAD_1]] * len(prompts) if ctx.stopper.listening else None
+    keep = _emit(ctx, [[t] for t in pending.tolist()], first)
     ctx.stats.prefills += len(prompts)
     while ctx.rows:
         start = ctx.timer.lap()
@@ -258,9 +274,8 @@ def run(ctx: Context, prompts: list[list[int]], drafter, policy) -> None:
         ctx.cache.truncate(ctx.cache.lengths + v.accepted + 1)
         ctx.timer.lap("cache")
         pending = v.next_token
-        drafted = [len(e) - 1 for e in v.emitted]
-        keep = _emit(ctx, v.emitted, drafted)
-        ctx.stats.count_drafts(prop.n, drafted)
+        keep = _emit(ctx, v.emitted, v.origins)
+        ctx.stats.count_drafts(prop.n, [len(e) - 1 for e in v.emitted])
         seconds = ctx.timer.lap() - start
         ctx.stats.round_seconds.setdefault(tuple(prop.tokens.shape), []).append(seconds)
         policy.observe(prop, seconds - drafter.deferred)

@@ -24,7 +24,7 @@ from mtp.decoding.policy import Adaptive, Fixed
 from mtp.decoding.request import HEAD_DECODERS, DecodeRequest
 from mtp.decoding.sampling import Sampling
 from mtp.decoding.stats import DecodeStats, Timer
-from mtp.decoding.stopper import Stop, Stopper
+from mtp.decoding.stopper import Listener, Stop, Stopper
 from mtp.decoding.tree import DynamicTree, Tree
 from mtp.model.transformer import MTPTransformer
 
@@ -64,7 +64,7 @@ def generate(
     stop: Sequence[Stop] = (),
     decode: Callable[[list[int]], str] | None = None,
     generator: torch.Generator | None = None,
-    on_tokens: Callable[[int, list[int], int], None] | None = None,
+    on_tokens: Listener | None = None,
 ) -> tuple[list[list[int]], DecodeStats]:
     """Continue each prompt by up to `max_new_tokens` tokens.
 
@@ -99,9 +99,12 @@ def generate(
             once they hold of its new text and stay true as it grows (needs `decode`).
         decode: token ids -> text, for stop strings.
         generator: random generator for sampling (seed it for reproducible samples).
-        on_tokens: called as on_tokens(row, tokens, drafted) whenever a row's tokens are
-            accepted; the first `drafted` of them came from accepted drafts, the last from the
-            verifier.
+        on_tokens: the streaming hook, called as on_tokens(row, tokens, origins) once per round
+            with each row's new tokens (the prefill's token, then the accepted drafts and the
+            verifier's token of each round, stops applied) and each token's origin
+            (`mtp.decoding.origin`: `HEAD_1` for the verifier's own, k for a draft of head k,
+            `LOOKUP`, `DRAFT_MODEL`, `ORACLE`). Without it the loop gathers no origin. Raising
+            in it ends the call (e.g. to stop a decode nobody watches any more).
 
     Returns:
         Each row's new tokens (the stopping token included) and the decoding statistics.

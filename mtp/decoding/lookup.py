@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mtp.decoding.drafters import Drafter
+from mtp.decoding.drafters import Drafter, chain_origins
 from mtp.decoding.engine import Context, Proposal
 from mtp.decoding.names import LOOKUP_TOKENS
+from mtp.decoding.origin import LOOKUP
 
 __all__ = ["Lookup", "LookupChain"]
 
@@ -74,8 +75,10 @@ class LookupChain(Drafter):
 
     def start(self, ctx, prompts, trunk, pending) -> None:
         self.lookup.start(prompts)
+        self.origins = chain_origins(LOOKUP, self.max_drafts, pending.device)
 
     def propose(self, ctx, pending, n) -> Proposal:
         drafts = self.lookup.padded(ctx, n, pending.device)
         ctx.timer.lap("draft")
-        return Proposal(torch.cat([pending[:, None], drafts], dim=1), drafts.shape[1])
+        return Proposal(torch.cat([pending[:, None], drafts], dim=1), drafts.shape[1],
+                        origins=self.origins)

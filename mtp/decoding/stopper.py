@@ -4,10 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-__all__ = ["Stop", "Stopper"]
+from mtp.decoding.origin import HEAD_1
+
+__all__ = ["Listener", "Stop", "Stopper"]
 
 #: A stop string, or a predicate on a row's new text that stays true as the text grows.
 Stop = str | Callable[[str], bool]
+
+#: The streaming hook: called as listener(row, tokens, origins) with each round's new tokens of
+#: a row and each one's origin (`mtp.decoding.origin`).
+Listener = Callable[[int, list[int], list[int]], None]
 
 
 class Stopper:
@@ -18,6 +24,9 @@ class Stopper:
     ends at the first token that meets a stop; that token is kept (the caller cuts the text at
     the stop string). Stops see the new text only: a prompt ending in `def` must not stop on
     `\\ndef`.
+
+    `on_tokens`, the streaming hook, hears every append: the row, the tokens kept and each one's
+    origin. Without it, the loop neither gathers nor hands over any origin (`listening`).
     """
 
     def __init__(
@@ -27,20 +36,26 @@ class Stopper:
         eot_id: int | None,
         stop: Sequence[Stop],
         decode: Callable[[list[int]], str] | None,
-        on_tokens: Callable[[int, list[int], int], None] | None,
+        on_tokens: Listener | None,
     ) -> None:
         self.out: list[list[int]] = [[] for _ in range(n_rows)]
         self.max_new, self.eot_id, self.stop, self.decode = max_new_tokens, eot_id, stop, decode
         self.on_tokens = on_tokens
 
+    @property
+    def listening(self) -> bool:
+        """Whether someone hears the tokens, so that the loop gathers their origins."""
+        return self.on_tokens is not None
+
     def remaining(self, row: int) -> int:
         return self.max_new - len(self.out[row])
 
-    def extend(self, row: int, tokens: list[int], drafted: int = 0) -> tuple[int, bool]:
+    def extend(self, row: int, tokens: list[int],
+               origins: Sequence[int] | None = None) -> tuple[int, bool]:
         """Append tokens to a row up to its first stop; returns (tokens kept, row finished).
 
-        The first `drafted` tokens came from accepted drafts, the rest from the verifier;
-        `on_tokens(row, kept tokens, drafted among them)` hears of every append.
+        `origins`: each token's origin; None: all the verifier's (`HEAD_1`), as in plain
+        decoding. `on_tokens(row, kept tokens, their origins)` hears of every append.
         """
         out, start = self.out[row], len(self.out[row])
         done = False
@@ -55,7 +70,9 @@ class Stopper:
             del out[k:]
             done = True
         if self.on_tokens is not None and len(out) > start:
-            self.on_tokens(row, out[start:], min(drafted, len(out) - start))
+            kept = len(out) - start
+            self.on_tokens(row, out[start:],
+                           [HEAD_1] * kept if origins is None else list(origins[:kept]))
         return len(out) - start, done
 
     def _stop_in(self, tokens: list[int]) -> bool:

@@ -90,6 +90,13 @@ def test_generate_shows_which_tokens_were_drafts(trained_ckpt, capsys) -> None:
     # Not a terminal: accepted drafts are marked; without the markers the text is greedy's.
     assert "[[" in out and "]]" in out and "[[...]]: tokens from accepted drafts" in out
     assert "outputs equal: yes" in out and "speedup" in out
+    # The tokens counted by origin, as the streaming hook heard them: head 1 gave one token per
+    # forward (the prefill's and each round's own), the heads the rest.
+    by_origin = dict(part.rsplit(" ", 1) for part in
+                     out.split("tokens by origin: ")[1].split("\n")[0].split(", "))
+    forwards = int(out.split("[tree] tokens 24  forwards ")[1].split()[0])
+    assert int(by_origin["head 1"]) == forwards and "head 2" in by_origin
+    assert sum(map(int, by_origin.values())) == 24
     text = out.split("\n[[...]]")[0]
     code = generate_main(["--ckpt", trained_ckpt, "--prompt", "def fib(n):", "--decoder",
                           "greedy", "--max-new-tokens", "24"])
@@ -137,7 +144,7 @@ def test_generate_other_decoders(ckpts, capsys, decoder) -> None:
         (["--ckpt", "K4", "--gamma", "0"], "--gamma must be >= 1"),
         (["--ckpt", "K4", "--lookup", "-1"], "--lookup must be >= 0"),
         (["--ckpt", "K4", "--lookup-ngram", "0"], "--lookup-ngram must be >= 1"),
-        (["--ckpt", "K4", "--threads", "0"], "--threads must be >= 1"),
+        (["--ckpt", "K4", "--threads", "0"], "--threads must be in [1, "),
         (["--ckpt", "K4", "--device", "gpu7"], "--device 'gpu7'"),
         (["--ckpt", "K4", "--tree", "3,x"], "--tree must be"),
         (["--ckpt", "K4", "--tree", ""], "--tree must be"),
