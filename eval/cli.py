@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--decoder", default=None,
                        help="mtp.decoding decoder (default: greedy at temperature 0, else sample)")
         p.add_argument("--device", default="cpu")
+        p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                       help="the dtype to decode in (bf16 where the CPU multiplies it natively; "
+                            "mtp.decoding.arithmetic)")
         p.add_argument("--draft-ckpt", default=None,
                        help="draft-model checkpoint (for --decoder draft)")
         p.add_argument("--n-samples", type=_positive(int), default=1, help="samples per task")
@@ -165,6 +168,8 @@ def produced_by(args: argparse.Namespace, name: str, benchmark, isolation, decod
             "--decoder": decoder, "--temperature": args.temperature, "--top-p": args.top_p,
             "--max-new-tokens": args.max_new_tokens, "--seed": args.seed,
             "--prompt-format": getattr(args, "prompt_format", None), "--device": args.device}
+        if args.dtype != "fp32":  # results of an fp32 run recorded before --dtype still match
+            produced["--dtype"] = args.dtype
     return produced
 
 
@@ -210,9 +215,10 @@ SAMPLE_BYTES = 512
 def _check_generation(args: argparse.Namespace, decoder: str, tasks: int) -> None:
     """Before anything loads: the sampling flags by the one validator of a decode request
     (`mtp.decoding.DecodeRequest`; `mtp.eval.completer` samples with the greedy and sample
-    decoders as the temperature says), `--seed` in range, and the records of `--n-samples`
-    within the memory available."""
+    decoders as the temperature says), `--seed` in range, `--dtype` on this CPU, and the
+    records of `--n-samples` within the memory available."""
     from mtp.config import seed_problem
+    from mtp.decoding.arithmetic import decode_dtype
     from mtp.decoding.cli import request_problems
     from mtp.decoding.request import DecodeRequest
     from mtp.model.memory import format_bytes
@@ -226,6 +232,10 @@ def _check_generation(args: argparse.Namespace, decoder: str, tasks: int) -> Non
     problems = request_problems([request])
     if (problem := seed_problem("--seed", args.seed)) is not None:
         problems.append(problem)
+    try:
+        decode_dtype(args.dtype, args.device)
+    except ValueError as err:
+        problems.append(str(err))
     need, available = tasks * args.n_samples * SAMPLE_BYTES, available_memory("cpu")
     if need > available:
         problems.append(f"--n-samples {args.n_samples}: {tasks} tasks x {args.n_samples} "
@@ -297,7 +307,7 @@ def _run(args: argparse.Namespace, held: ExitStack) -> int:
     common = dict(ks=args.k, output_dir=args.output, workers=args.workers, limits=limits,
                   isolation=isolation, settings=settings)
     if args.completions is not None:
-        for key in ("decoder", "device", "draft_ckpt", "n_samples", "temperature", "top_p",
+        for key in ("decoder", "device", "dtype", "draft_ckpt", "n_samples", "temperature", "top_p",
                     "max_new_tokens", "batch_size", "seed", "prompt_format"):
             settings.pop(key, None)  # generation settings mean nothing for given completions
         completions = load_completions(args.completions, benchmark, all_ids=all_ids)
@@ -311,7 +321,7 @@ def _run(args: argparse.Namespace, held: ExitStack) -> int:
         settings["decoder"] = decoder
         extra = {"draft_ckpt": args.draft_ckpt} if args.draft_ckpt else {}
         completer = load_completer(args.ckpt, decoder=decoder, device=args.device,
-                                   batch_size=args.batch_size, **extra)
+                                   dtype=args.dtype, batch_size=args.batch_size, **extra)
         _check_decode_batch(completer, args, len(benchmark.tasks) * args.n_samples)
         if is_chat(fmt):
             if completer.chat_template is None:

@@ -106,25 +106,31 @@ def load_completer(
     *,
     decoder: str,
     device: str = "cpu",
+    dtype: str = "fp32",
     draft_ckpt: str | None = None,
     batch_size: int = 16,
     **decode_kwargs,
 ) -> ModelCompleter:
     """A `ModelCompleter` over a checkpoint, for `mtp eval` (`draft_ckpt` is needed by `draft`);
     `decode_kwargs` are the other fields of its `mtp.decoding.DecodeRequest` (heads, tree, gamma,
-    lookup, ...), checked with the checkpoints here and passed to every `generate`.
+    lookup, ...), checked with the checkpoints here and passed to every `generate`. `dtype`:
+    `--dtype`, the dtype to decode in (`mtp.decoding.arithmetic.decode_dtype`).
 
     Raises:
         RequestError: the decoder does not suit the checkpoints (`mtp.decoding.DecodeRequest`).
     """
+    from mtp.decoding.arithmetic import decode_dtype, to_decode_dtype
     from mtp.model.checkpoint import load_checkpoint
 
     request = DecodeRequest(decoder=decoder, **decode_kwargs)
     request.check()
+    torch_dtype = decode_dtype(dtype, device)
     model, tokenizer = load_checkpoint(ckpt_path, device=device)
+    to_decode_dtype(model, torch_dtype)
     draft_model = draft_tokenizer = None
     if decoder == "draft" and draft_ckpt is not None:
         draft_model, draft_tokenizer = load_checkpoint(draft_ckpt, device=device)
+        to_decode_dtype(draft_model, torch_dtype)
     request.check(model, draft_model, tokenizer=tokenizer, draft_tokenizer=draft_tokenizer)
     return ModelCompleter(model, tokenizer, decoder=decoder, draft_model=draft_model,
                           batch_size=batch_size, **decode_kwargs)

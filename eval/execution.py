@@ -22,8 +22,6 @@ import builtins
 import dataclasses
 import hashlib
 import json
-import os
-import platform
 import symtable
 import warnings
 from collections.abc import Callable, Iterable
@@ -35,6 +33,7 @@ from mtp.eval.data import Task
 from mtp.eval.sandbox import ExecResult, Isolation, Limits, confined_view, run_program
 
 from mtp.util.atomic import write_json
+from mtp.util.environment import cache_dir, machine_key
 
 __all__ = ["Calibration", "Execution", "Plan", "TimePolicy", "calibrate", "completion_view",
            "plan", "prepare", "run_task", "task_limits"]
@@ -134,26 +133,6 @@ def task_limits(base: Limits, policy: TimePolicy, reference: float | None) -> Li
                                timeout=max(base.timeout, policy.wall_factor * cpu + 5.0))
 
 
-def _cache_dir() -> Path:
-    if os.environ.get("MTP_CACHE_DIR"):
-        return Path(os.environ["MTP_CACHE_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mtp"
-
-
-def machine_key() -> str:
-    """What the reference times depend on: the CPU model, core count and Python build."""
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return (f"{model} x{os.cpu_count()} | {platform.python_implementation()} "
-            f"{platform.python_version()}")
-
-
 def _task_key(task: Task) -> str:
     """Names a task's reference run: its program and tests, hashed."""
     h = hashlib.sha256()
@@ -194,7 +173,7 @@ def calibrate(
     interrupted run leaves the old file whole).
     """
     limits = limits or CALIBRATION_LIMITS
-    path = cache or _cache_dir() / "eval-reference-cpu.json"
+    path = cache or cache_dir() / "eval-reference-cpu.json"
     key = machine_key()
     try:
         stored = json.loads(path.read_text())

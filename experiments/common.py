@@ -226,8 +226,8 @@ before the study recorded it)."""
 
 def cpu_model() -> str:
     """The CPU's model name and core count (`AMD EPYC x2`), as `mtp eval` keys its reference
-    times (`mtp.eval.execution.machine_key`, whose first field this is)."""
-    from mtp.eval.execution import machine_key
+    times (`mtp.util.environment.machine_key`, whose first field this is)."""
+    from mtp.util.environment import machine_key
 
     return machine_key().split(" | ")[0]
 

@@ -149,7 +149,7 @@ def _decode_args(p: argparse.ArgumentParser) -> None:
                         "its prompt-lookup takes --lookup and --lookup-ngram as mtp's lookup does "
                         "(prompt_lookup_num_tokens, max_matching_ngram_size)")
     decoding_args(p)
-    device_args(p)
+    device_args(p, several_dtypes=True)
 
 
 def _tokenize_args(p: argparse.ArgumentParser) -> None:

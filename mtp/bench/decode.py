@@ -24,22 +24,28 @@ validation computes it), `sim_L_greedy` on greedy's own continuation, the text t
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import sys
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from mtp.bench import PROMPT_TOKENS, TRANSFORMERS_DECODERS
+from mtp.bench.decode_hf import TransformersDecoder
 from mtp.bench.report import publish
 from mtp.bench.validation import VALIDATION, simulated, simulated_note, validation_windows
+from mtp.decoding.arithmetic import DTYPES, LinearPaths, decode_linears, to_decode_dtype
 from mtp.decoding.cli import (
     check_args,
     decode_request,
+    dtypes,
     flag,
+    linear_path,
     load,
     refuse,
     request_problems,
@@ -49,7 +55,6 @@ from mtp.decoding.generation import generate
 from mtp.decoding.policy import Adaptive
 from mtp.decoding.request import HEAD_DECODERS, DecodeRequest
 from mtp.decoding.stats import PHASES, DecodeStats
-from mtp.decoding.stopper import Stopper
 from mtp.decoding.tree import DynamicTree, Tree, head_accuracy
 from mtp.util.paths import not_a_file
 
@@ -62,6 +67,7 @@ class _Config:
     decoder: str
     request: DecodeRequest | None = None  # None: transformers' `generate`, on head 1's weights
     adaptive: bool = False
+    dtype: str = "fp32"
     policy: Adaptive | None = None  # one for all of the config's calls: it learns across them
     stats: DecodeStats = field(default_factory=DecodeStats)
     seconds: list[float] = field(default_factory=list)  # per prompt batch: median of repeats
@@ -78,77 +84,6 @@ class _Config:
         if self.decoder == "oracle":
             kw["reference"] = reference
         return kw
-
-
-class _Transformers:
-    """transformers' `generate` on the weights of head 1: the `LlamaForCausalLM` of
-    `mtp.model.llama_layout`, built in memory, decoding one prompt a call where mtp's decoders stop
-    (end-of-text, max new tokens, the context length, stop strings), with its forwards counted for
-    L."""
-
-    def __init__(self, model, tokenizer, eot: int, stop: list[str], decode,
-                 lookup: dict[str, int]) -> None:
-        import transformers
-
-        from mtp.model.llama_layout import llama_config, llama_state
-
-        state = llama_state(model)  # refuses what the Llama layout cannot hold
-        config = dict(llama_config(model.cfg, tokenizer, model.embed.weight.dtype))
-        config = transformers.AutoConfig.for_model(config.pop("model_type"), **config)
-        self.model = transformers.AutoModelForCausalLM.from_config(config)
-        missing, unexpected = self.model.load_state_dict(state, strict=False)
-        # Tied embeddings: transformers ties lm_head to the embedding itself.
-        if set(missing) - ({"lm_head.weight"} if model.cfg.tie_embeddings else set()) \
-                or unexpected:
-            raise RuntimeError(f"transformers' {type(self.model).__name__} does not take head "
-                               f"1's weights (missing {missing[:4]}, unexpected {unexpected[:4]})")
-        self.model.to(device=model.embed.weight.device, dtype=model.embed.weight.dtype).eval()
-        self.device, self.window = model.embed.weight.device, model.cfg.max_seq_len
-        self.eot, self.stop, self.decode, self.lookup = eot, stop, decode, lookup
-        self.forwards, self.prompt_len = 0, 0
-        self.model.register_forward_hook(self._count)
-        criteria = transformers.StoppingCriteriaList()
-        if stop:
-            stopped = self._stopped
-
-            class StopStrings(transformers.StoppingCriteria):
-                def __call__(self, input_ids, scores, **kwargs):
-                    return stopped(input_ids)
-
-            criteria.append(StopStrings())
-        self.criteria = criteria
-
-    def _count(self, *_) -> None:
-        self.forwards += 1
-
-    def _stopped(self, input_ids: torch.Tensor) -> torch.Tensor:
-        text = self.decode(input_ids[0, self.prompt_len:].tolist())
-        done = any(s in text for s in self.stop)
-        return torch.full((len(input_ids),), done, dtype=torch.bool, device=input_ids.device)
-
-    def __call__(self, decoder: str, prompt: list[int], max_new_tokens: int
-                 ) -> tuple[list[list[int]], DecodeStats]:
-        """`decoder` (greedy or prompt-lookup) on one prompt: [new tokens] and what it did."""
-        # mtp ends a row whose sequence fills the context length; so does this.
-        n = min(max_new_tokens, self.window - len(prompt))
-        ids = torch.tensor([prompt], device=self.device)
-        self.forwards, self.prompt_len = 0, len(prompt)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        seq = self.model.generate(
-            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
-            eos_token_id=self.eot, pad_token_id=self.eot, stopping_criteria=self.criteria,
-            **(self.lookup if decoder == "prompt-lookup" else {}))
-        new = seq[0, len(prompt):].tolist()
-        seconds = time.perf_counter() - start
-        # A round of prompt lookup may accept tokens past a stop string: cut where mtp's
-        # stopper would (the time keeps the tokens past it, as it keeps a draft's).
-        stopper = Stopper(1, n, self.eot, self.stop, self.decode, None)
-        stopper.extend(0, new)
-        out = stopper.out[0]
-        return [out], DecodeStats(tokens=len(out), forwards=self.forwards,
-                                  row_forwards=self.forwards, prefills=1, seconds=seconds)
 
 
 def _transformers_decoders(args) -> tuple[list[str], list[str]]:
@@ -286,7 +221,6 @@ def _bare_forward_ms(model, batch: int, t: int, cache_len: int, repeat: int) -> 
     """Median ms of the verify forward alone (trunk, head 1, unembedding) over t tokens per row
     at `cache_len` cached tokens: what the hardware charges for a round's forward."""
     from mtp.decoding.engine import chain_mask, forward, new_cache
-    from mtp.decoding.packed import packed_linears
 
     device = next(model.parameters()).device
     cache = new_cache(model, batch, cache_len + t)
@@ -298,13 +232,49 @@ def _bare_forward_ms(model, batch: int, t: int, cache_len: int, repeat: int) -> 
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        with packed_linears(model):  # as `generate` runs it
+        with decode_linears(model):  # as `generate` runs it (an enclosing block decides)
             hidden, _ = forward(model, cache, tokens, positions, chain_mask(cache.lengths, t))
             model.unembed(hidden).argmax(-1).tolist()
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return 1000 * statistics.median(times[2:])
+
+
+def _timed(configs: list[_Config], first: dict[str, _Config], batches, run, models,
+           args) -> dict[tuple[str, int, int], float]:
+    """Each prompt batch decoded by every row in turn, `--repeat` times, into the rows'
+    statistics, times and outputs (each output compared with its dtype's greedy); returns the
+    bare forward's median ms over each (dtype, batch, tokens) a round verified."""
+    from tqdm import tqdm
+
+    bare: dict[tuple[str, int, int], list[float]] = {}
+    for i, batch in enumerate(tqdm(batches, desc="prompt batches", file=sys.stderr)):
+        times: dict[str, list[float]] = {c.name: [] for c in configs}
+        refs = {}
+        for rep in range(args.repeat):
+            for c in configs:
+                out, stats = run(c, batch, refs.get(c.dtype), args.seed + i)
+                if c is first[c.dtype]:
+                    refs[c.dtype] = out
+                times[c.name].append(stats.seconds)
+                if rep == 0:
+                    c.stats.add(stats)
+                    c.outputs.append(out)
+                    c.equal += sum(o == r for o, r in zip(out, refs[c.dtype], strict=True))
+                else:
+                    for t, s in stats.round_seconds.items():
+                        c.stats.round_seconds.setdefault(t, []).extend(s)
+        for c in configs:
+            c.seconds.append(statistics.median(times[c.name]))
+        # Beside the rounds, the bare forward over each shape a round verified so far, at the
+        # batch's median cache length.
+        cache_len = int(statistics.median(len(x) for x in batch)) + args.max_new_tokens // 2
+        for d, b, t in sorted({(c.dtype, *bt) for c in configs for bt in c.stats.round_seconds}):
+            m = models[d]
+            bare.setdefault((d, b, t), []).append(
+                _bare_forward_ms(m, b, t, min(cache_len, m.cfg.max_seq_len - t), 5))
+    return {key: statistics.median(v) for key, v in bare.items()}
 
 
 def _requests(args, decoders: list[str],
@@ -366,7 +336,7 @@ def _with_lookup(configs: list[_Config], lookup: int) -> list[_Config]:
 
 def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """`mtp bench decode`: print the table and append it to `--csv`."""
-    tree, problems = check_args(args)
+    tree, problems = check_args(args, several_dtypes=True)
     hf_decoders, hf_problems = _transformers_decoders(args)
     decoders = [d.strip() for d in args.decoders.split(",") if d.strip()]
     if "draft" in decoders and args.draft_ckpt is None:
@@ -374,6 +344,8 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         decoders = [d for d in decoders if d != "draft"]
     requests = _requests(args, decoders, tree)
     refuse(p, problems + _flag_problems(args) + hf_problems + request_problems(requests, _flag))
+    # fp32 first: the other dtypes' models are made from its weights, its greedy is the baseline
+    args.dtype = ",".join(sorted(dtypes(args), key=lambda d: d != "fp32"))
     model, tokenizer, draft, draft_tokenizer = load(p, args, draft="draft" in decoders)
     from mtp.model.vocab import eot_id
 
@@ -400,6 +372,13 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     common = dict(eot_id=eot_id(tokenizer, model.cfg), stop=args.stop,
                   decode=text_decoder(tokenizer))
     sampled = bool(args.temperature)
+    # One model (and draft model) per --dtype, the first as loaded: each dtype a set of rows.
+    names = dtypes(args)
+    models, drafts = {names[0]: model}, {names[0]: draft}
+    for name in names[1:]:
+        models[name] = to_decode_dtype(copy.deepcopy(model), DTYPES[name])
+        drafts[name] = None if draft is None else \
+            to_decode_dtype(copy.deepcopy(draft), DTYPES[name])
     hf = lookup = None
     if hf_decoders:
         from mtp.util.errors import ExportError
@@ -407,9 +386,11 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         # transformers' prompt lookup takes mtp's lookup settings.
         lookup = decode_request(args, decoder="lookup")
         try:
-            hf = _Transformers(model, tokenizer, common["eot_id"], args.stop, common["decode"],
-                               {"prompt_lookup_num_tokens": lookup.lookup_tokens,
-                                "max_matching_ngram_size": lookup.lookup_ngram})
+            hf = {d: TransformersDecoder(m, tokenizer, common["eot_id"], args.stop,
+                                         common["decode"],
+                                         {"prompt_lookup_num_tokens": lookup.lookup_tokens,
+                                          "max_matching_ngram_size": lookup.lookup_ngram})
+                  for d, m in models.items()}
         except ExportError as e:
             p.error(f"--transformers: head 1 of --ckpt {args.ckpt} is not a Llama model ({e})")
     if "tree" in decoders and args.auto_tree > 0 and k > 1:
@@ -426,6 +407,10 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.lookup:
         configs += _with_lookup(configs, args.lookup)
     configs += [_Config(f"transformers {d}", d) for d in hf_decoders]
+    configs = [replace(c, name=c.name if len(names) == 1 else f"{c.name} {d}", dtype=d,
+                       stats=DecodeStats(), seconds=[], outputs=[])
+               for d in names for c in configs]  # each dtype's rows, its greedy first
+    first = {d: next(c for c in configs if c.dtype == d) for d in names}
 
     batches = [prompts[i : i + args.batch_size] for i in range(0, len(prompts), args.batch_size)]
     batch_size = max(map(len, batches), default=0)  # as run: fewer prompts make a smaller one
@@ -433,50 +418,32 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     def run(c: _Config, batch: list[list[int]], reference, seed: int):
         if c.request is None:
-            return hf(c.decoder, batch[0], args.max_new_tokens)
+            return hf[c.dtype](c.decoder, batch[0], args.max_new_tokens)
         gen.manual_seed(seed)
-        return generate(model, batch, c.request.max_new_tokens, **c.kwargs(draft, reference),
-                        generator=gen, **common)
+        return generate(models[c.dtype], batch, c.request.max_new_tokens,
+                        **c.kwargs(drafts[c.dtype], reference), generator=gen, **common)
 
-    for batch in batches[: args.warmup]:
-        ref = run(configs[0], batch, None, 0)[0]
-        for c in configs:
-            run(c, batch, ref, 0)
+    # Every linear layer on its path for the whole run (`mtp.decoding.arithmetic`), chosen
+    # once, so that each decoder and the bare forwards multiply alike.
+    with ExitStack() as stack:
+        paths = {d: stack.enter_context(decode_linears(models[d], drafts[d],
+                                                       path=linear_path(args)))
+                 for d in names}
+        for d in names:
+            print(f"{d}: linear paths {paths[d]}\n{paths[d].table()}")
+        for batch in batches[: args.warmup]:
+            refs = {d: run(first[d], batch, None, 0)[0] for d in names}
+            for c in configs:
+                run(c, batch, refs[c.dtype], 0)
+        bare_ms = _timed(configs, first, batches, run, models, args)
     print(f"{len(configs)} decoders x {len(prompts)} prompts, {args.max_new_tokens} new tokens, "
           f"batch size {batch_size}, {args.repeat} repeats, {args.device}")
-    from tqdm import tqdm
-
-    bare: dict[tuple[int, int], list[float]] = {}
-    for i, batch in enumerate(tqdm(batches, desc="prompt batches", file=sys.stderr)):
-        times: dict[str, list[float]] = {c.name: [] for c in configs}
-        ref = None
-        for rep in range(args.repeat):
-            for c in configs:
-                out, stats = run(c, batch, ref, args.seed + i)
-                ref = out if c is configs[0] else ref
-                times[c.name].append(stats.seconds)
-                if rep == 0:
-                    c.stats.add(stats)
-                    c.outputs.append(out)
-                    c.equal += sum(o == r for o, r in zip(out, ref, strict=True))
-                else:
-                    for t, s in stats.round_seconds.items():
-                        c.stats.round_seconds.setdefault(t, []).extend(s)
-        for c in configs:
-            c.seconds.append(statistics.median(times[c.name]))
-        # Beside the rounds, the bare forward over each shape a round verified so far, at the
-        # batch's median cache length.
-        cache_len = int(statistics.median(len(x) for x in batch)) + args.max_new_tokens // 2
-        for b, t in sorted({bt for c in configs for bt in c.stats.round_seconds}):
-            bare.setdefault((b, t), []).append(
-                _bare_forward_ms(model, b, t, min(cache_len, model.cfg.max_seq_len - t), 5))
-    bare_ms = {bt: statistics.median(v) for bt, v in bare.items()}
     sim = None
     if not sampled and any(c.decoder == "self-spec" for c in configs):
         sim = simulated(model, prompts, [o for batch in configs[0].outputs for o in batch],
                         follows)
 
-    rows = _rows(configs, bare_ms, len(prompts), sampled, sim)
+    rows = _rows(configs, bare_ms, len(prompts), sampled, sim, paths)
     validation = any(s.partition("=")[0] == VALIDATION for s in _sources(args.prompts))
     meta = {
         "ckpt": args.ckpt,
@@ -496,8 +463,8 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         if "prompt-lookup" in hf_decoders:
             meta["prompt_lookup_tokens"] = lookup.lookup_tokens
             meta["prompt_lookup_ngram"] = lookup.lookup_ngram
-    cols = ["decoder", "L", "sim_L_text", "sim_L_greedy", "acceptance", "ms_per_token",
-            "speedup", "speedup_over_L",
+    cols = ["decoder", "dtype", "linear_path", "L", "sim_L_text", "sim_L_greedy", "acceptance",
+            "ms_per_token", "speedup", "speedup_over_L",
             "round_ms", "ms_per_accepted", "bare_ms", "round_over_bare",
             *[f"{ph}_pct" for ph in PHASES], "drafts_chosen", "equal_to_greedy"]
     publish([{**r, **meta} for r in rows], args.csv, args.command, columns=cols)
@@ -513,8 +480,9 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return 0
 
 
-def _rows(configs: list[_Config], bare_ms: dict[tuple[int, int], float], n_prompts: int,
-          sampled: bool, sim: dict[str, tuple[torch.Tensor, int]] | None = None) -> list[dict]:
+def _rows(configs: list[_Config], bare_ms: dict[tuple[str, int, int], float], n_prompts: int,
+          sampled: bool, sim: dict[str, tuple[torch.Tensor, int]] | None,
+          paths: dict[str, LinearPaths]) -> list[dict]:
     """One table row per decoder; times are per-prompt medians over the repeats. transformers'
     rows have L, times, speedups and equality; what it does not expose is left empty. A plain
     self-spec row of h heads has the simulated L of `sim` with its h heads
@@ -534,9 +502,11 @@ def _rows(configs: list[_Config], bare_ms: dict[tuple[int, int], float], n_promp
         n_rounds = {t: len(v) for t, v in s.round_seconds.items()}
         weight = sum(n_rounds.values()) or 1
         round_ms = sum(rounds[t] * n_rounds[t] for t in rounds) / weight
-        bare = sum(bare_ms[t] * n_rounds[t] for t in rounds) / weight
+        bare = sum(bare_ms[(c.dtype, *t)] * n_rounds[t] for t in rounds) / weight
         rows.append({
             "decoder": c.name,
+            "dtype": c.dtype,
+            "linear_path": paths[c.dtype].name if c.request is not None else "transformers",
             "L": round(s.tokens_per_forward, 3),
             **simulated,
             "acceptance": "/".join(f"{a:.2f}" for a in s.acceptance) or "-",

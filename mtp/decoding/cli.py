@@ -19,7 +19,7 @@ import sys
 from collections import Counter
 from itertools import groupby
 
-from mtp.decoding.names import DECODERS, LOOKUP_TOKENS
+from mtp.decoding.names import DECODERS, DTYPE_NAMES, LINEAR_PATHS, LOOKUP_TOKENS
 from mtp.decoding.origin import DRAFT_MODEL, HEAD_1, LOOKUP, ORACLE, origin_name
 
 # --------------------------------------------------------------------------------------------
@@ -36,10 +36,29 @@ def flag(field: str) -> str:
     return FLAGS.get(field) or "--" + field.replace("_", "-")
 
 
-def device_args(p: argparse.ArgumentParser) -> None:
+def device_args(p: argparse.ArgumentParser, *, several_dtypes: bool = False) -> None:
     p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--dtype", default="fp32",
+                   help=f"the dtype to decode in: {' or '.join(DTYPE_NAMES)} (bf16 where the CPU "
+                        "multiplies bf16 natively: avx512_bf16 or AMX)"
+                        + ("; comma-separated, each a set of rows (fp32,bf16)"
+                           if several_dtypes else "") + " (default: fp32)")
+    p.add_argument("--linear-path", choices=("auto", *LINEAR_PATHS), default="auto",
+                   help="the product of every linear layer on a CPU: auto (the fastest per weight "
+                        "shape, measured once per machine and cached), or one forced "
+                        "(mtp.decoding.arithmetic)")
+
+
+def dtypes(args: argparse.Namespace) -> list[str]:
+    """`--dtype` as a list of names."""
+    return [d.strip() for d in args.dtype.split(",") if d.strip()]
+
+
+def linear_path(args: argparse.Namespace) -> str | None:
+    """`--linear-path` as `mtp.decoding.arithmetic.decode_linears` takes it."""
+    return None if args.linear_path == "auto" else args.linear_path
 
 
 def decoding_args(p: argparse.ArgumentParser) -> None:
@@ -92,10 +111,28 @@ def threads_problem(threads: int | None) -> str | None:
     return None
 
 
-def check_args(args: argparse.Namespace):
+def dtype_problems(args: argparse.Namespace, *, several: bool = False) -> list[str]:
+    """What is wrong with `--dtype` on `--device` (a dtype the CPU does not multiply natively
+    included); with `several`, a comma-separated list is allowed."""
+    from mtp.decoding.arithmetic import decode_dtype
+
+    names = dtypes(args)
+    if not names or len(names) != len(set(names)) or len(names) > 1 and not several:
+        return [f"--dtype {args.dtype!r}: give one of {', '.join(DTYPE_NAMES)}"
+                + (", or several, each once" if several else "")]
+    problems = []
+    for name in names:
+        try:
+            decode_dtype(name, args.device)
+        except ValueError as e:
+            problems.append(str(e))
+    return problems
+
+
+def check_args(args: argparse.Namespace, *, several_dtypes: bool = False):
     """The flags beside a request's, before anything loads: `--tree` as a `mtp.decoding.Tree`
     or `DynamicTree` (None where it is refused) and the problems of `--tree`, `--threads`,
-    `--seed` and `--device`."""
+    `--seed`, `--device` and `--dtype` (`several_dtypes`: a list of them)."""
     import torch
 
     from mtp.config import seed_problem
@@ -110,6 +147,8 @@ def check_args(args: argparse.Namespace):
         torch.device(args.device)
     except RuntimeError as e:
         problems.append(f"--device {args.device!r}: {e}")
+    else:
+        problems += dtype_problems(args, several=several_dtypes)
     tree = None
     if args.tree.startswith("dynamic"):
         nodes = args.tree.removeprefix("dynamic").removeprefix(":")
@@ -149,9 +188,11 @@ def refuse(p: argparse.ArgumentParser, problems: list[str]) -> None:
 
 def load(p: argparse.ArgumentParser, args: argparse.Namespace, draft: bool):
     """Model and tokenizer of --ckpt and, with `draft` and a --draft-ckpt, the draft model and
-    its tokenizer (else None, None); a checkpoint that does not load names its flag."""
+    its tokenizer (else None, None), in the first `--dtype`; a checkpoint that does not load
+    names its flag."""
     import torch
 
+    from mtp.decoding.arithmetic import DTYPES, to_decode_dtype
     from mtp.model.checkpoint import load_checkpoint
 
     if args.threads:
@@ -166,6 +207,10 @@ def load(p: argparse.ArgumentParser, args: argparse.Namespace, draft: bool):
             draft_model, draft_tokenizer = load_checkpoint(args.draft_ckpt, device=args.device)
         except (FileNotFoundError, ValueError, RuntimeError) as e:
             p.error(f"--draft-ckpt: {e}")
+    dtype = DTYPES[dtypes(args)[0]]
+    for m in (model, draft_model):
+        if m is not None:
+            to_decode_dtype(m, dtype)
     return model, tokenizer, draft_model, draft_tokenizer
 
 
@@ -297,6 +342,7 @@ def generate_main(argv: list[str]) -> int:
                                tokenizer=tokenizer, draft_tokenizer=draft_tokenizer))
     import torch
 
+    from mtp.decoding.arithmetic import decode_linears
     from mtp.decoding.generation import generate
     from mtp.model.vocab import eot_id
 
@@ -310,9 +356,10 @@ def generate_main(argv: list[str]) -> int:
     common = dict(eot_id=eot_id(tokenizer, model.cfg), stop=args.stop, decode=decode)
     sys.stdout.write(args.prompt)
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
-    out, stats = generate(model, [ids], request.max_new_tokens, **request.arguments(),
-                          draft_model=draft, adaptive=args.adaptive, generator=generator,
-                          on_tokens=stream, **common)
+    with decode_linears(model, draft, path=linear_path(args)) as used:
+        out, stats = generate(model, [ids], request.max_new_tokens, **request.arguments(),
+                              draft_model=draft, adaptive=args.adaptive, generator=generator,
+                              on_tokens=stream, **common)
     stream.finish(out[0])
     if stream.legend():
         print(stream.legend())
@@ -322,9 +369,11 @@ def generate_main(argv: list[str]) -> int:
               f"{len(out[0])} of --max-new-tokens {args.max_new_tokens} new tokens after "
               f"{len(ids)} of the prompt", file=sys.stderr)
     print(f"[{args.decoder}] {summary(stats)}")
+    print(f"{args.dtype}, linear paths: {used}")
     compare = args.compare or ("none" if args.decoder == "greedy" else "greedy")
     if compare == "greedy":
-        ref, base = generate(model, [ids], args.max_new_tokens, decoder="greedy", **common)
+        with decode_linears(model, path=linear_path(args)):
+            ref, base = generate(model, [ids], args.max_new_tokens, decoder="greedy", **common)
         equal = ref[0] == out[0]
         print(f"[greedy] {summary(base)}")
         note = ""

@@ -47,7 +47,7 @@ def verify_seconds(model: MTPTransformer, batch: int, most: int, *,
 
     Measured (the fastest of `repeats`) at the token counts of a fixed grid up to `most`,
     linearly interpolated between them, and kept per model, batch size, thread count and `most`.
-    Call it where decoding runs (inside `mtp.decoding.packed.packed_linears`), so that the
+    Call it where decoding runs (inside `mtp.decoding.arithmetic.decode_linears`), so that the
     forward timed is the one rounds will run.
     """
     key = (batch, most, torch.get_num_threads())

@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from mtp.decoding.arithmetic import decode_linears
 from mtp.decoding.cascaded import CascadedHeads
 from mtp.decoding.drafters import (
     Drafter,
@@ -19,7 +20,6 @@ from mtp.decoding.drafters import (
 )
 from mtp.decoding.engine import Context, new_cache, run
 from mtp.decoding.lookup import Lookup, LookupChain
-from mtp.decoding.packed import packed_linears
 from mtp.decoding.policy import Adaptive, Fixed
 from mtp.decoding.request import HEAD_DECODERS, DecodeRequest
 from mtp.decoding.sampling import Sampling
@@ -167,7 +167,7 @@ def generate(
         policy = adaptive
     else:
         policy = Adaptive() if adaptive else Fixed()
-    with packed_linears(model, draft_model):
+    with decode_linears(model, draft_model):
         run(ctx, prompts, drafter, policy)
     stats.seconds = time.perf_counter() - start
     return ctx.stopper.out, stats

@@ -12,3 +12,9 @@ LOOKUP_TOKENS = 10
 
 #: The decoders that draft with the model's own heads 2..h.
 HEAD_DECODERS = ("self-spec", "tree")
+
+#: The products a decode forward's linear layers can run on (`mtp.decoding.arithmetic`).
+LINEAR_PATHS = ("plain", "onednn", "mkl")
+
+#: The dtypes a model decodes in (`--dtype`; `mtp.decoding.arithmetic.DTYPES`).
+DTYPE_NAMES = ("fp32", "bf16")

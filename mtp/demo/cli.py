@@ -13,7 +13,7 @@ import importlib.util
 import socket
 import sys
 
-from mtp.decoding.cli import device_args, load
+from mtp.decoding.cli import device_args, dtype_problems, linear_path, load, threads_problem
 
 __all__ = ["INSTALL", "demo_main", "port_problem"]
 
@@ -61,8 +61,9 @@ def demo_main(argv: list[str]) -> int:
     problems = []
     if args.max_new_tokens < 1:
         problems.append(f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
-    if args.threads is not None and args.threads < 1:
-        problems.append(f"--threads must be >= 1 (got {args.threads})")
+    if (problem := threads_problem(args.threads)) is not None:
+        problems.append(problem)
+    problems += dtype_problems(args)
     if importlib.util.find_spec("gradio") is None:
         print(f"mtp demo: {INSTALL}", file=sys.stderr)
         return 2
@@ -73,15 +74,15 @@ def demo_main(argv: list[str]) -> int:
         p.error(problems[0] if len(problems) == 1 else
                 f"{len(problems)} problems:\n  " + "\n  ".join(problems))
     model, tokenizer, _, _ = load(p, args, draft=False)
-    from mtp.decoding.packed import packed_linears
+    from mtp.decoding.arithmetic import decode_linears
     from mtp.demo.page import build_page, serve, warm_up
 
     if model.cfg.n_future == 1:
         print("mtp demo: note: --ckpt has a single head (--model.n_future 1): the heads' decoders "
               "need K >= 2, so the page races prompt lookup against greedy", file=sys.stderr)
     page = build_page(model, tokenizer, source=args.ckpt, max_new_tokens=args.max_new_tokens)
-    # Packed once for the server's life: every race then computes with the same arithmetic.
-    with packed_linears(model):
+    # The linear paths set once for the server's life: every race computes with one arithmetic.
+    with decode_linears(model, path=linear_path(args)):
         print("mtp demo: warming up the decoders", flush=True)
         warm_up(model, tokenizer)
         print(f"mtp demo: serving http://{args.host}:{args.port} (Ctrl-C stops it)", flush=True)

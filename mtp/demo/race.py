@@ -22,8 +22,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from mtp.decoding.arithmetic import decode_linears
 from mtp.decoding.generation import generate
-from mtp.decoding.packed import packed_linears
 from mtp.decoding.stats import DecodeStats
 from mtp.model.transformer import MTPTransformer
 
@@ -76,10 +76,10 @@ class Race:
     grow (`version` counts the rounds heard; `wait` blocks until it moves), `cancel` to end it.
 
     Args:
-        model: the model every lane decodes with. Its linear layers are packed for the whole
-            race (`mtp.decoding.packed`; a no-op where they already are): each `generate` call
-            would otherwise unpack them when it ends, under the other lane's feet, and the two
-            would no longer compute with one arithmetic.
+        model: the model every lane decodes with. Its linear layers take their decode paths
+            for the whole race (`mtp.decoding.arithmetic`; a no-op where they already have
+            them): each `generate` call would otherwise restore them when it ends, under the
+            other lane's feet, and the two would no longer compute with one arithmetic.
         prompt: the prompt's token ids.
         max_new_tokens: the most new tokens of each lane.
         lanes: the racers; the first one starts.
@@ -98,14 +98,14 @@ class Race:
         self.cancelled = False
         self.cond = threading.Condition()
         self.threads: list[threading.Thread] = []
-        self._packed = None
+        self._linears = None
 
     # -- the consumer's side ------------------------------------------------------------------
     def start(self) -> Race:
         with _LIVE_LOCK:
             _LIVE.add(self)
-        self._packed = packed_linears(self.model)
-        self._packed.__enter__()
+        self._linears = decode_linears(self.model)
+        self._linears.__enter__()
         self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True,
                                          name=f"mtp-demo-lane-{i}") for i in range(len(self.lanes))]
         for t in self.threads:
@@ -203,10 +203,10 @@ class Race:
     def _end_if_last(self) -> None:
         """The last lane to end unpacks the model and takes the race off the live ones."""
         with self.cond:
-            if not self.finished or self._packed is None:
+            if not self.finished or self._linears is None:
                 return
-            packed, self._packed = self._packed, None
-            packed.__exit__(None, None, None)
+            linears, self._linears = self._linears, None
+            linears.__exit__(None, None, None)
         with _LIVE_LOCK:
             _LIVE.discard(self)
 

@@ -150,6 +150,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--prefix-tokens", type=int, default=128,
                    help="with --style continue: the tokens of code each continuation follows")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="the dtype to decode in (bf16 where the CPU multiplies it natively; "
+                        "mtp.decoding.arithmetic)")
     args = p.parse_args(argv)
     for flag in ("requests", "max_new_tokens", "batch_size", "prefix_tokens"):
         if getattr(args, flag) < 1:
@@ -158,6 +161,12 @@ def main(argv: list[str]) -> int:
 
     if (problem := threads_problem(args.threads)) is not None:
         p.error(problem)
+    from mtp.decoding.arithmetic import decode_dtype, to_decode_dtype
+
+    try:
+        dtype = decode_dtype(args.dtype)
+    except ValueError as err:
+        p.error(str(err))
     source = Path(args.source)
     if not source.is_dir():
         p.error(f"--source {source} is not a directory")
@@ -185,6 +194,7 @@ def main(argv: list[str]) -> int:
         model, tokenizer = _load(args.model, max_seq_len=2048)
     except ExportError as err:  # a pretrained model that cannot be read; the message says why
         p.error(f"--model {str(err).removeprefix('--model.init_from ')}")
+    to_decode_dtype(model, dtype)
     cfg = model.cfg
     if args.style == "continue":
         todo = prefixes(source, args.requests, args.seed, lambda t: tokenizer.encode(t).ids,

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
 
-__all__ = ["REPO", "available_memory", "current_rss", "environment", "free_disk", "git_state",
-           "versions"]
+__all__ = ["REPO", "available_memory", "cache_dir", "cpu_flags", "cpu_model", "current_rss",
+           "environment", "free_disk", "git_state", "machine_key", "versions"]
 
 #: The checkout the code runs from (the parent of the `mtp` package).
 REPO = Path(__file__).resolve().parents[1]
@@ -52,6 +52,45 @@ def versions(*dists: str) -> dict[str, str]:
     return out
 
 
+def cache_dir() -> Path:
+    """mtp's cache of measurements that hold for one machine (`$MTP_CACHE_DIR`, else
+    `$XDG_CACHE_HOME/mtp`, else `~/.cache/mtp`): the reference solutions' CPU times of `mtp eval`,
+    the linear path chosen for each weight shape of a decode forward."""
+    if os.environ.get("MTP_CACHE_DIR"):
+        return Path(os.environ["MTP_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mtp"
+
+
+def _cpuinfo_field(name: str) -> str | None:
+    """The first value of `name` in /proc/cpuinfo (Linux), None where there is none."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.split(":", 1)[0].strip() == name:
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def cpu_model() -> str:
+    """The CPU's model name (`AMD EPYC`, `Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz`), from
+    /proc/cpuinfo, else the platform's processor or machine name (`x86_64`)."""
+    return _cpuinfo_field("model name") or platform.processor() or platform.machine()
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's instruction-set flags (`avx512_bf16`, `amx_bf16`, ...), from /proc/cpuinfo;
+    empty where it cannot be read."""
+    return frozenset((_cpuinfo_field("flags") or "").split())
+
+
+def machine_key() -> str:
+    """What a measurement of this machine holds for: the CPU model, the core count and the
+    Python build (`AMD EPYC x2 | CPython 3.11.2`); a cache of timings is keyed by it."""
+    return (f"{cpu_model()} x{os.cpu_count()} | {platform.python_implementation()} "
+            f"{platform.python_version()}")
+
+
 def environment() -> dict[str, str]:
     """Hardware, torch threads, library versions, git revision (`+dirty` with uncommitted
     changes) and UTC time: the columns stamped on every benchmark row."""
@@ -60,7 +99,7 @@ def environment() -> dict[str, str]:
     if torch.cuda.is_available():
         hardware = torch.cuda.get_device_name(0)
     else:
-        hardware = f"cpu:{platform.processor() or platform.machine()} x{os.cpu_count()}"
+        hardware = f"cpu:{cpu_model()} ({platform.machine()}) x{os.cpu_count()}"
     rev, dirty = git_state()
     found = versions("torch", "triton")
     return {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 from pathlib import Path
@@ -15,7 +16,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 import mtp.bench
 from mtp.cli import main
 from mtp.config import ModelConfig
-from mtp.decoding.cli import generate_main
+from mtp.decoding.cli import dtype_problems, generate_main
 from mtp.model.checkpoint import EOT_TOKEN, save_checkpoint
 from mtp.model.transformer import MTPTransformer
 
@@ -40,6 +41,10 @@ def _tokenizer() -> Tokenizer:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(TEXTS * 10, trainer)
     return tok
+
+
+#: Whether this CPU decodes in bf16 (`--dtype bf16`).
+BF16 = not dtype_problems(argparse.Namespace(dtype="bf16", device="cpu"))
 
 
 @pytest.fixture(scope="module")
@@ -161,6 +166,9 @@ def test_generate_other_decoders(ckpts, capsys, decoder) -> None:
         (["--ckpt", "K4", "--prompt", "x = 1\n" * 40], "--prompt has"),
         (["--ckpt", "K4", "--prompt", "caf\udce9"],  # b"caf\xe9" from a Latin-1 terminal
          "--prompt is not UTF-8 text (character 4 is the byte 0xe9)"),
+        (["--ckpt", "K4", "--dtype", "fp16"], "--dtype must be one of fp32, bf16 (got 'fp16')"),
+        (["--ckpt", "K4", "--dtype", "fp32,bf16"], "--dtype 'fp32,bf16': give one of"),
+        (["--ckpt", "K4", "--linear-path", "fast"], "--linear-path: invalid choice: 'fast'"),
     ],
 )
 def test_generate_bad_input_exits_2_naming_the_flag(ckpts, capsys, args, message) -> None:
@@ -173,6 +181,45 @@ def test_generate_bad_input_exits_2_naming_the_flag(ckpts, capsys, args, message
         generate_main(args)
     assert e.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_bf16_is_refused_naming_the_cpu_without_bf16_products(ckpts, capsys, monkeypatch):
+    from mtp.util import environment
+
+    monkeypatch.setattr(environment, "cpu_flags", lambda: frozenset({"avx2"}))
+    monkeypatch.setattr(environment, "cpu_model", lambda: "Old CPU")
+    with pytest.raises(SystemExit) as e:
+        generate_main(["--ckpt", ckpts["k4"], "--prompt", "x", "--dtype", "bf16"])
+    assert e.value.code == 2
+    assert "--dtype bf16: this CPU (Old CPU) has no native bf16 products" in \
+        capsys.readouterr().err
+
+
+@pytest.mark.skipif(not BF16, reason="this CPU has no native bf16 products")
+def test_generate_in_bf16_equals_greedy_in_bf16(trained_ckpt, capsys) -> None:
+    assert generate_main(["--ckpt", trained_ckpt, "--prompt", "def fib(n):", "--decoder", "tree",
+                          "--max-new-tokens", "24", "--dtype", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "bf16, linear paths: " in out and "outputs equal: yes" in out
+
+
+@pytest.mark.skipif(not BF16, reason="this CPU has no native bf16 products")
+def test_bench_decode_puts_fp32_and_bf16_rows_side_by_side(trained_ckpt, tmp_path) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": t[:12]}) + "\n" for t in TEXTS))
+    out_csv = tmp_path / "bench.csv"
+    assert bench_main(["--ckpt", trained_ckpt, "--prompts", str(prompts), "--max-new-tokens",
+                       "10", "--decoders", "greedy,self-spec", "--heads", "4", "--repeat", "1",
+                       "--dtype", "bf16,fp32", "--linear-path", "onednn",
+                       "--csv", str(out_csv)]) == 0
+    rows = {r["decoder"]: r for r in csv.DictReader(out_csv.open())}
+    # fp32 first whatever the order given: its greedy is every row's baseline
+    assert list(rows) == ["greedy fp32", "self-spec h=4 fp32", "greedy bf16",
+                          "self-spec h=4 bf16"]
+    assert float(rows["greedy fp32"]["speedup"]) == 1.0
+    for r in rows.values():
+        assert r["dtype"] in r["decoder"] and r["linear_path"] == "onednn"
+        assert r["equal_to_greedy"] == "3/3"  # against greedy in its own dtype
 
 
 def test_generate_reports_every_bad_flag_together(ckpts, capsys) -> None:

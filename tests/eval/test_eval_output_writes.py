@@ -80,9 +80,14 @@ def test_on_a_real_full_disk_too(tmp_path, capsys):
      "--seed must be a whole number in [0, 4294967295]"),
     (["--temperature", "0.8", "--n-samples", "100000000000"],
      "--n-samples 100000000000: 164 tasks x 100000000000 samples hold at least"),
-], ids=["temperature", "seed", "n-samples"])
+    (["--dtype", "bf16"], "--dtype bf16: this CPU (Old CPU) has no native bf16 products"),
+], ids=["temperature", "seed", "n-samples", "dtype"])
 def test_generation_flags_are_refused_before_the_checkpoint_loads(tmp_path, capsys, args,
-                                                                  message):
+                                                                  message, monkeypatch):
+    from mtp.util import environment
+
+    monkeypatch.setattr(environment, "cpu_flags", lambda: frozenset({"avx2"}))  # no bf16
+    monkeypatch.setattr(environment, "cpu_model", lambda: "Old CPU")
     ckpt = debug_checkpoint(tmp_path / "tiny.ckpt")
     assert main(["humaneval", "--ckpt", str(ckpt), "--k", "1", *args]) == 2
     assert message in capsys.readouterr().err

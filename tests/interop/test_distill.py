@@ -189,6 +189,35 @@ def test_continue_style_writes_the_greedy_continuations_of_code(setup):
         assert row == {"text": text, "request": None, "finished": finished}
 
 
+def test_bf16_continuations_are_greedy_in_bf16_or_refused_naming_the_cpu(setup, capsys):
+    """`--dtype bf16`: each line the greedy continuation of the model in bf16 where the CPU
+    multiplies bf16 natively; elsewhere refused, naming the flag and the CPU."""
+    from mtp.decoding.arithmetic import decode_dtype, to_decode_dtype
+
+    tmp, src, model, tok = setup
+    (src / "long.py").write_text(SOURCE * 8)
+    out = tmp / "b.jsonl"
+    args = ["distill", "--model", str(tmp / "m.ckpt"), "--out", str(out), "--source", str(src),
+            "--style", "continue", "--prefix-tokens", "16", "--requests", "2",
+            "--max-new-tokens", "6", "--dtype", "bf16"]
+    try:
+        decode_dtype("bf16")
+    except ValueError as refused:
+        assert main(args) == 2 and str(refused) in capsys.readouterr().err
+        return
+    assert main(args) == 0
+    from mtp.interop.distill import prefixes
+
+    windows = prefixes(src, 2, 0, lambda t: tok.encode(t).ids, 16)
+    bf16 = to_decode_dtype(model, torch.bfloat16)
+    eot = tok.token_to_id("<|im_end|>")
+    for line, ids in zip(out.read_text().splitlines(), windows, strict=True):
+        (new,), _ = generate(bf16, [ids], 6, decoder="greedy", eot_id=eot)
+        body = new[:-1] if new[-1] == eot else new
+        assert json.loads(line)["text"] == tok.decode(ids, skip_special_tokens=False) + \
+            tok.decode(body, skip_special_tokens=False)
+
+
 def test_an_out_that_cannot_be_written_is_named_and_keeps_its_lines(setup, monkeypatch, capsys):
     """Issue 41, case 6: `--out` in a read-only folder is one line naming the file, exit 2; a
     disk that fills mid-run keeps every line written before, and the same command goes on."""

@@ -59,7 +59,7 @@ def test_compiled_step_equals_eager():
 
 
 def test_a_model_with_compiled_blocks_decodes_as_the_eager_one():
-    """The decode loop runs compiled blocks eagerly (the packed weights it multiplies by are not
+    """The decode loop runs compiled blocks eagerly (the prepared weights it multiplies by are not
     compilable): greedy and self-speculative output equal the eager model's."""
     from mtp.decoding import generate
 

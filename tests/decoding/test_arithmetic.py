@@ -1,0 +1,181 @@
+"""The arithmetic of a decode forward (`mtp.decoding.arithmetic`): every linear path computes
+`F.linear`'s product, in force only inside the block and only where it applies; the choice is
+measured once and cached per machine; bf16 decoding keeps the rotary tables and is refused where
+the CPU has no bf16 products."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mtp.config import ModelConfig
+from mtp.decoding import arithmetic
+from mtp.decoding.arithmetic import (
+    LINEAR_PATHS,
+    choose_paths,
+    decode_dtype,
+    decode_linears,
+    path_available,
+    to_decode_dtype,
+)
+from mtp.decoding.generation import generate
+from mtp.model.transformer import MTPTransformer
+
+FP32_PATHS = [p for p in LINEAR_PATHS if path_available(p, torch.float32)]
+
+
+def _model(n_future: int = 3, **kw) -> MTPTransformer:
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=101, d_model=64, n_layers=3, n_attn_heads=4,
+                      n_future=n_future, max_seq_len=96, **kw)
+    return MTPTransformer(cfg).eval()
+
+
+@pytest.mark.parametrize("path", FP32_PATHS)
+@pytest.mark.parametrize("rows", [1, 3, 8, 17])
+@pytest.mark.parametrize("bias", [False, True])
+def test_every_path_is_f_linear(path, rows, bias):
+    torch.manual_seed(0)
+    lin = nn.Linear(96, 160, bias=bias)
+    x = torch.randn(2, rows, 96)
+    exact = F.linear(x.double(), lin.weight.double(), None if lin.bias is None else
+                     lin.bias.double())
+    with torch.no_grad(), decode_linears(lin, path=path) as used:
+        assert "forward" in vars(lin) and used.name == path
+        y = lin(x)
+    assert "forward" not in vars(lin)  # restored on exit
+    assert y.shape == (2, rows, 160) and y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), exact, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("path", FP32_PATHS)
+def test_every_path_gives_the_plain_paths_logits(path):
+    """The whole model's logits on each path, against `F.linear`'s, to 1e-5 (fp32)."""
+    model = _model()
+    ids = torch.randint(0, 101, (2, 11))
+    with torch.no_grad():
+        plain = model(ids)
+        with decode_linears(model, path=path):
+            got = model(ids)
+    torch.testing.assert_close(got, plain, rtol=1e-5, atol=1e-5)
+
+
+def test_a_weight_changed_in_place_is_prepared_again():
+    lin = nn.Linear(32, 48, bias=False)
+    x = torch.randn(5, 32)
+    for path in FP32_PATHS:
+        with torch.no_grad():
+            with decode_linears(lin, path=path):
+                lin(x)
+            lin.weight.mul_(-2.0)
+            with decode_linears(lin, path=path):
+                y = lin(x)
+        torch.testing.assert_close(y, F.linear(x, lin.weight), rtol=1e-5, atol=1e-5)
+
+
+def test_gradients_and_other_dtypes_take_f_linear():
+    lin = nn.Linear(16, 8)
+    x = torch.randn(3, 16, requires_grad=True)
+    with decode_linears(lin, path=FP32_PATHS[-1]):
+        lin(x).sum().backward()  # gradients on: the ordinary product, differentiable
+    assert x.grad is not None and lin.weight.grad is not None
+    lin64 = nn.Linear(4, 4).double()
+    with decode_linears(lin64) as used:
+        assert "forward" not in vars(lin64) and used.name == "none"  # left alone
+    with pytest.raises(ValueError, match="unknown linear path 'fast'"):
+        with decode_linears(lin, path="fast"):
+            pass
+
+
+def test_greedy_output_is_the_same_whichever_path_runs():
+    """Greedy and self-speculative output on every path equal the plain model's own greedy
+    decoding, one token at a time without a cache (a random model: ties in the argmax are
+    improbable)."""
+    model = _model()
+    prompts = [[5, 9, 2, 7], [3, 1, 4, 1, 5, 9, 2]]
+    with torch.no_grad():
+        reference = []
+        for p in prompts:
+            ids = torch.tensor([p])
+            for _ in range(12):
+                nxt = model(ids, heads=1)[0, 0, -1].argmax()  # (K, B, T, V)
+                ids = torch.cat([ids, nxt.view(1, 1)], 1)
+            reference.append(ids[0, len(p):].tolist())
+    for path in [None, *FP32_PATHS]:  # None: the cached choice
+        with decode_linears(model, path=path) as used:
+            greedy, _ = generate(model, prompts, 12, decoder="greedy")
+            spec, _ = generate(model, prompts, 12, decoder="self-spec")
+        assert used.layers, path
+        assert greedy == spec == reference, path
+    assert all("forward" not in vars(m) for m in model.modules())
+
+
+def test_the_choice_is_measured_once_and_cached_per_machine(tmp_path, monkeypatch):
+    monkeypatch.setenv("MTP_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("MTP_LINEAR_PATH", raising=False)
+    measured = []
+
+    def fake(module, paths, budget_s=0.4):
+        measured.append(tuple(module.weight.shape))
+        return {p: (0.5 if p == paths[-1] else 1.0) for p in paths}
+
+    monkeypatch.setattr(arithmetic, "_measure", fake)
+    model = _model()
+    with decode_linears(model) as used:
+        pass
+    shapes = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, nn.Linear)}
+    assert sorted(measured) == sorted(shapes)  # one measurement per shape, not per layer
+    assert used.name == FP32_PATHS[-1]
+    cache = json.loads((tmp_path / "linear-paths.json").read_text())
+    (machine, chosen), = cache.items()
+    assert f"torch {torch.__version__}" in machine and "threads" in machine
+    assert {entry["path"] for entry in chosen.values()} == {FP32_PATHS[-1]}
+    assert all(entry["ms"] == {p: 500.0 if p == FP32_PATHS[-1] else 1000.0 for p in FP32_PATHS}
+               for entry in chosen.values())  # the times it was chosen by
+    with decode_linears(_model(n_future=2)):  # the same shapes: read back, none measured
+        pass
+    assert len(measured) == len(shapes)
+    (tmp_path / "linear-paths.json").write_text("{not json")  # a torn cache: measured again
+    assert choose_paths([nn.Linear(8, 8)])["8x8+bias:fp32"]["path"] == FP32_PATHS[-1]
+    assert json.loads((tmp_path / "linear-paths.json").read_text())
+
+
+def test_a_cache_that_cannot_be_written_is_a_warning(tmp_path, monkeypatch):
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    monkeypatch.setenv("MTP_CACHE_DIR", str(blocked / "cache"))  # below a file
+    monkeypatch.setattr(arithmetic, "_measure", lambda m, paths, budget_s=0.4:
+                        dict.fromkeys(paths, 1.0))
+    with pytest.warns(UserWarning, match="measured again next time"):
+        assert choose_paths([nn.Linear(8, 4, bias=False)])["4x8:fp32"]["path"] == "plain"
+
+
+def test_bf16_keeps_the_rotary_tables_and_is_refused_without_bf16_products(monkeypatch):
+    model = to_decode_dtype(_model(), torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.rope_cos.dtype == torch.float64
+    from mtp.util import environment
+
+    monkeypatch.setattr(environment, "cpu_flags", lambda: frozenset({"avx2", "avx512f"}))
+    monkeypatch.setattr(environment, "cpu_model", lambda: "Old CPU")
+    with pytest.raises(ValueError, match=r"--dtype bf16: this CPU \(Old CPU\) has no native"):
+        decode_dtype("bf16")
+    assert decode_dtype("fp32") == torch.float32
+    with pytest.raises(ValueError, match="--dtype must be one of fp32, bf16"):
+        decode_dtype("fp16")
+
+
+@pytest.mark.skipif(not path_available("onednn", torch.bfloat16),
+                    reason="no bf16 oneDNN products on this CPU")
+def test_bf16_speculation_is_greedy_in_bf16():
+    model = to_decode_dtype(_model(), torch.bfloat16)
+    prompts = [[5, 9, 2, 7], [3, 1, 4, 1, 5, 9, 2]]
+    with decode_linears(model) as used:
+        greedy, _ = generate(model, prompts, 12, decoder="greedy")
+        for decoder in ("self-spec", "tree"):
+            assert generate(model, prompts, 12, decoder=decoder)[0] == greedy, decoder
+    assert used.layers
