@@ -7,7 +7,7 @@ torch's build and the weight's shape:
 
 - ``plain``: `torch.nn.functional.linear`, torch's general matrix product, which may re-lay out
   (pack) the whole weight matrix on every call; with so few rows the packing can cost more than
-  reading the weights.
+  reading the weights. Its result for a row depends on how many rows come with it.
 - ``onednn``: oneDNN's product over a weight packed once into its blocked layout
   (`torch.ops.mkldnn._reorder_linear_weight`, the prepacking inductor applies to frozen CPU
   models), in fp32 or bf16.
@@ -17,18 +17,23 @@ torch's build and the weight's shape:
 :func:`decode_linears` gives every `nn.Linear` of a model the fastest of them for the duration
 of a block. The first decode on a machine times each candidate on the model's own weight shapes,
 over one row and over `ROUND_ROWS` rows (a greedy forward and a speculative round), and keeps
-the one of least total time per shape; the choice is cached in ``linear-paths.json`` under
-`mtp.util.environment.cache_dir`, keyed by the CPU model, cores, threads and torch version, so
-later runs read it. One path serves every row count of a shape, so greedy and speculative
-rounds see one arithmetic. The paths compute the same product and differ from `F.linear` by a
-few ulps (the order of the sums). Prepared weights are made once and kept beside each module
-(keyed by the weight's storage and version, so a weight changed in place is prepared again);
-those of ``onednn`` and ``mkl`` cost as much memory as the weights they mirror.
+the one of least total time per shape among those that are row-invariant there (each row of a
+product bit for bit what that row alone gives, so that a speculative round's verify forward
+computes greedy's own logits; where none is, the fastest). The choice is cached in
+``linear-paths.json`` under `mtp.util.environment.cache_dir`, keyed by the CPU model, cores,
+threads and torch version, so later runs read it. One path serves every row count of a shape.
+The paths compute the same product and differ from `F.linear` by a few ulps (the order of the
+sums). Prepared weights are made once and kept beside each module (keyed by the weight's storage
+and version, so a weight changed in place is prepared again); those of ``onednn`` and ``mkl``
+cost as much memory as the weights they mirror.
 
 ``--dtype bf16`` (`decode_dtype`, `to_decode_dtype`) decodes with bf16 weights, activations and
 KV cache where the CPU multiplies bf16 natively (avx512_bf16 or AMX); elsewhere it is refused,
 as emulated bf16 is slower than fp32. The rotary tables stay fp64 and norms compute in fp32
-(`mtp.model.layers`). Speculation is exact against greedy decoding in the same dtype.
+(`mtp.model.layers`). Greedy and sampling only: in bf16 a verify forward's rows do not round as
+one-token forwards do (the CPU attention kernel blocks by the number of queries and keys, and the
+long products by rows), and a last-bit difference is 0.4%, so speculative decoders are refused
+in bf16 (`mtp.decoding.DecodeRequest`).
 """
 
 from __future__ import annotations
@@ -189,12 +194,26 @@ def _machine() -> str:
            f"threads {torch.get_num_threads()}"
 
 
+def _row_invariant(product: Callable[[torch.Tensor], torch.Tensor],
+                   x: torch.Tensor) -> bool:
+    """Whether `product` gives each row of `x` (rows, in) bit for bit what it gives that row
+    alone: a kernel blocked by the number of rows may sum in another order."""
+    with torch.no_grad():
+        together = product(x)
+        return all(torch.equal(product(x[i:i + 1]), together[i:i + 1]) for i in range(len(x)))
+
+
 def _measure(module: nn.Linear, paths: list[str], budget_s: float = 0.4) -> dict[str, float]:
     """Each path's median seconds over one row plus over `ROUND_ROWS` rows, the paths taking
-    turns (so that a machine's drift falls on all alike), within about `budget_s`."""
+    turns (so that a machine's drift falls on all alike), within about `budget_s`; only the
+    paths that are row-invariant on this shape (`_row_invariant`), where any is: with them a
+    speculative round's verify forward gives each row exactly greedy's one-token logits."""
     w, b = module.weight, module.bias
     products = {p: _product(p, w, b, _prepare(p, w)) for p in paths}
     inputs = [torch.randn(rows, w.shape[1], dtype=w.dtype) for rows in (1, ROUND_ROWS)]
+    invariant = {p: f for p, f in products.items() if _row_invariant(f, inputs[1])}
+    products = invariant or products
+    paths = list(products)
     times: dict[str, list[float]] = {p: [] for p in paths}
     with torch.no_grad():
         for fn in products.values():  # warm up: first calls allocate and dispatch

@@ -223,6 +223,14 @@ class DecodeRequest:
                     bad("tree", "{tree} {got}: a level of {w} candidates is wider than the "
                         "vocabulary ({v} tokens)", got=",".join(map(str, self.tree.widths())),
                         w=widest, v=ranked)
+            dtype = next(model.parameters()).dtype
+            if d not in ("greedy", "sample") and dtype.itemsize < 4:
+                bad("decoder", "{decoder} {got} verifies a round of drafts in one forward over "
+                    "several tokens, and in {kind} that forward's rows do not round as greedy's "
+                    "one-token forwards do (CPU kernels block attention and long products by the "
+                    "number of rows; a last-bit difference is 0.4% in {kind}), so greedy's "
+                    "output would not be kept: decode in fp32 (--dtype fp32), or greedy in "
+                    "{kind}", got=d, kind=str(dtype).removeprefix("torch."))
             if d == "draft" and draft_model is None:
                 bad("draft_model", "{decoder} draft needs {draft_model} (a small model with the "
                     "same tokenizer, to draft with)")

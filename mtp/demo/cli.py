@@ -64,6 +64,9 @@ def demo_main(argv: list[str]) -> int:
     if (problem := threads_problem(args.threads)) is not None:
         problems.append(problem)
     problems += dtype_problems(args)
+    if args.dtype != "fp32":
+        problems.append(f"--dtype {args.dtype}: the page races speculative decoders, which keep "
+                        "greedy's output in fp32 only (mtp.decoding.arithmetic)")
     if importlib.util.find_spec("gradio") is None:
         print(f"mtp demo: {INSTALL}", file=sys.stderr)
         return 2

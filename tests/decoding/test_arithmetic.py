@@ -169,13 +169,33 @@ def test_bf16_keeps_the_rotary_tables_and_is_refused_without_bf16_products(monke
         decode_dtype("fp16")
 
 
-@pytest.mark.skipif(not path_available("onednn", torch.bfloat16),
-                    reason="no bf16 oneDNN products on this CPU")
-def test_bf16_speculation_is_greedy_in_bf16():
+def test_bf16_decodes_greedily_and_refuses_speculation():
+    """In bf16 a verify forward's rows do not round as one-token forwards do, so speculative
+    decoders are refused; greedy decoding runs."""
+    from mtp.decoding.request import RequestError
+
     model = to_decode_dtype(_model(), torch.bfloat16)
     prompts = [[5, 9, 2, 7], [3, 1, 4, 1, 5, 9, 2]]
-    with decode_linears(model) as used:
-        greedy, _ = generate(model, prompts, 12, decoder="greedy")
-        for decoder in ("self-spec", "tree"):
-            assert generate(model, prompts, 12, decoder=decoder)[0] == greedy, decoder
-    assert used.layers
+    out, stats = generate(model, prompts, 12, decoder="greedy")
+    assert [len(o) for o in out] == [12, 12] and stats.tokens == 24
+    for decoder in ("self-spec", "tree", "lookup"):
+        with pytest.raises(RequestError, match=f"{decoder} verifies a round of drafts in one "
+                           "forward over several tokens, and in bfloat16"):
+            generate(model, prompts, 12, decoder=decoder)
+
+
+def test_the_chosen_path_is_row_invariant_wherever_a_candidate_is(tmp_path, monkeypatch):
+    """A shape's path gives each row of a product what that row alone gives, where any path
+    does: so a speculative round verifies against greedy's own logits."""
+    monkeypatch.setenv("MTP_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("MTP_LINEAR_PATH", raising=False)
+    torch.manual_seed(0)
+    for lin in (nn.Linear(96, 160), nn.Linear(320, 64, bias=False)):
+        chosen = choose_paths([lin])[arithmetic._shape_key(lin)]["path"]
+        x = torch.randn(arithmetic.ROUND_ROWS, lin.in_features)
+
+        def product(path, lin=lin):
+            return arithmetic._product(path, lin.weight, lin.bias,
+                                       arithmetic._prepare(path, lin.weight))
+        if any(arithmetic._row_invariant(product(p), x) for p in FP32_PATHS):
+            assert arithmetic._row_invariant(product(chosen), x), chosen

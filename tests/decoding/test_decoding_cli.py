@@ -196,11 +196,15 @@ def test_bf16_is_refused_naming_the_cpu_without_bf16_products(ckpts, capsys, mon
 
 
 @pytest.mark.skipif(not BF16, reason="this CPU has no native bf16 products")
-def test_generate_in_bf16_equals_greedy_in_bf16(trained_ckpt, capsys) -> None:
-    assert generate_main(["--ckpt", trained_ckpt, "--prompt", "def fib(n):", "--decoder", "tree",
-                          "--max-new-tokens", "24", "--dtype", "bf16"]) == 0
-    out = capsys.readouterr().out
-    assert "bf16, linear paths: " in out and "outputs equal: yes" in out
+def test_generate_in_bf16_is_greedy_and_refuses_speculation(trained_ckpt, capsys) -> None:
+    assert generate_main(["--ckpt", trained_ckpt, "--prompt", "def fib(n):", "--max-new-tokens",
+                          "24", "--dtype", "bf16"]) == 0
+    assert "bf16, linear paths: " in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        generate_main(["--ckpt", trained_ckpt, "--prompt", "def fib(n):", "--decoder", "tree",
+                       "--dtype", "bf16"])
+    assert e.value.code == 2
+    assert "--decoder tree verifies a round of drafts in one forward" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not BF16, reason="this CPU has no native bf16 products")
@@ -213,9 +217,9 @@ def test_bench_decode_puts_fp32_and_bf16_rows_side_by_side(trained_ckpt, tmp_pat
                        "--dtype", "bf16,fp32", "--linear-path", "onednn",
                        "--csv", str(out_csv)]) == 0
     rows = {r["decoder"]: r for r in csv.DictReader(out_csv.open())}
-    # fp32 first whatever the order given: its greedy is every row's baseline
-    assert list(rows) == ["greedy fp32", "self-spec h=4 fp32", "greedy bf16",
-                          "self-spec h=4 bf16"]
+    # fp32 first whatever the order given: its greedy is every row's baseline; bf16 decodes
+    # greedily only (speculation keeps greedy's output in fp32)
+    assert list(rows) == ["greedy fp32", "self-spec h=4 fp32", "greedy bf16"]
     assert float(rows["greedy fp32"]["speedup"]) == 1.0
     for r in rows.values():
         assert r["dtype"] in r["decoder"] and r["linear_path"] == "onednn"
