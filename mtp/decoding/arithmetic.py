@@ -197,7 +197,9 @@ def _machine() -> str:
 def _row_invariant(product: Callable[[torch.Tensor], torch.Tensor],
                    x: torch.Tensor) -> bool:
     """Whether `product` gives each row of `x` (rows, in) bit for bit what it gives that row
-    alone: a kernel blocked by the number of rows may sum in another order."""
+    alone: a kernel blocked by the number of rows may sum in another order. One input tells a
+    kernel that never matches from one that did here (a kernel whose order depends on the values
+    may still pass)."""
     with torch.no_grad():
         together = product(x)
         return all(torch.equal(product(x[i:i + 1]), together[i:i + 1]) for i in range(len(x)))
