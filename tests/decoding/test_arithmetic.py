@@ -144,6 +144,16 @@ def test_the_choice_is_measured_once_and_cached_per_machine(tmp_path, monkeypatc
     assert json.loads((tmp_path / "linear-paths.json").read_text())
 
 
+def test_measuring_leaves_the_callers_random_state_alone(tmp_path, monkeypatch):
+    monkeypatch.setenv("MTP_CACHE_DIR", str(tmp_path))
+    lin = nn.Linear(24, 40)
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    choose_paths([lin])  # measured: nothing cached yet
+    torch.testing.assert_close(torch.rand(3), expected)
+
+
 def test_a_cache_that_cannot_be_written_is_a_warning(tmp_path, monkeypatch):
     blocked = tmp_path / "file"
     blocked.write_text("")
