@@ -10,8 +10,9 @@ import torch
 from mtp.config import ModelConfig
 
 
-def bpe_tokenizer():
-    """A byte-level BPE of 300 tokens, with the end-of-text token, trained on one function."""
+def bpe_tokenizer(texts: list[str] | None = None):
+    """A byte-level BPE of 300 tokens, with the end-of-text token, trained on `texts` (default:
+    one function, ten times)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     from mtp.model.checkpoint import EOT_TOKEN
@@ -21,7 +22,7 @@ def bpe_tokenizer():
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=[EOT_TOKEN],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["def add(a, b):\n    return a + b\n"] * 10, trainer)
+    tok.train_from_iterator(texts or ["def add(a, b):\n    return a + b\n"] * 10, trainer)
     return tok
 
 

@@ -26,17 +26,12 @@ def trained_checkpoint(path: Path, *, n_future: int = 4, max_seq_len: int = 512,
                        steps: int = 150) -> Path:
     """A debug-sized checkpoint trained for a few seconds on TEXTS, written to `path`: it
     continues code with the texts' lines, and its heads draft them."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from checkpoint_helpers import bpe_tokenizer
 
-    from mtp.model.checkpoint import EOT_TOKEN, save_checkpoint
+    from mtp.model.checkpoint import save_checkpoint
     from mtp.model.transformer import MTPTransformer
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=[EOT_TOKEN],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(TEXTS * 10, trainer)
+    tok = bpe_tokenizer(TEXTS * 10)
     stream = torch.tensor(tok.encode("".join(TEXTS) * 8).ids)
     torch.manual_seed(0)
     cfg = ModelConfig.from_name("debug", vocab_size=320, n_future=n_future,
@@ -57,6 +52,30 @@ def trained_checkpoint(path: Path, *, n_future: int = 4, max_seq_len: int = 512,
         opt.step()
     save_checkpoint(path, model.eval(), tok)
     return path
+
+
+def running_race(timeout: float):
+    """The one race on the page once it has heard a few rounds (within `timeout` seconds)."""
+    from mtp.demo.race import live_races
+
+    deadline = time.monotonic() + timeout
+    while not (live_races() and live_races()[0].version > 4):
+        assert time.monotonic() < deadline, "the race did not start"
+        time.sleep(0.01)
+    (race,) = live_races()
+    return race
+
+
+def assert_stopped(race, timeout: float, max_new_tokens: int) -> None:
+    """The race ends within `timeout` seconds, each lane stopped short of `max_new_tokens`."""
+    from mtp.demo.race import live_races
+
+    deadline = time.monotonic() + timeout
+    while live_races():
+        assert time.monotonic() < deadline, "the race went on after it was stopped"
+        time.sleep(0.05)
+    assert all(lane.error == "stopped" and len(lane.tokens) < max_new_tokens
+               for lane in race.lanes)
 
 
 def free_port() -> int:

@@ -116,7 +116,7 @@ def refusal(model: MTPTransformer, ids: list[int], max_new_tokens: int,
 def warm_up(model: MTPTransformer, tokenizer: Tokenizer, tokens: int = 32) -> None:
     """Decode the first example a little with greedy and every decoder the model can race,
     untimed, so that the first race does not pay for first calls: a process's first forward of
-    each shape costs more than the next ones (about 20 ms in all for a debug-sized model)."""
+    each shape costs more than the next ones."""
     cfg = model.cfg
     text = examples(cfg.chat_template is not None)[0]
     if cfg.chat_template:

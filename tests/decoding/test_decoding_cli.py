@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoint_helpers import debug_checkpoint
+from checkpoint_helpers import bpe_tokenizer, debug_checkpoint
 from mtp.eval.completer import load_completer
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer
 
 import mtp.bench
 from mtp.cli import main
 from mtp.config import ModelConfig
 from mtp.decoding.cli import dtype_problems, generate_main
-from mtp.model.checkpoint import EOT_TOKEN, save_checkpoint
+from mtp.model.checkpoint import save_checkpoint
 from mtp.model.transformer import MTPTransformer
 
 torch.set_num_threads(1)
@@ -34,13 +34,7 @@ def bench_main(argv: list[str]) -> int:
 
 
 def _tokenizer() -> Tokenizer:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=[EOT_TOKEN],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(TEXTS * 10, trainer)
-    return tok
+    return bpe_tokenizer(TEXTS * 10)
 
 
 #: Whether this CPU decodes in bf16 (`--dtype bf16`).
@@ -195,11 +189,19 @@ def test_bf16_is_refused_naming_the_cpu_without_bf16_products(ckpts, capsys, mon
         capsys.readouterr().err
 
 
-@pytest.mark.skipif(not BF16, reason="this CPU has no native bf16 products")
 def test_generate_in_bf16_is_greedy_and_refuses_speculation(trained_ckpt, capsys) -> None:
-    assert generate_main(["--ckpt", trained_ckpt, "--prompt", "def fib(n):", "--max-new-tokens",
-                          "24", "--dtype", "bf16"]) == 0
-    assert "bf16, linear paths: " in capsys.readouterr().out
+    """Greedy in bf16 where the CPU multiplies bf16 natively (elsewhere refused, naming the
+    CPU); speculative decoders refused in bf16 either way."""
+    args = ["--ckpt", trained_ckpt, "--prompt", "def fib(n):", "--max-new-tokens", "24",
+            "--dtype", "bf16"]
+    if BF16:
+        assert generate_main(args) == 0
+        assert "bf16, linear paths: " in capsys.readouterr().out
+    else:
+        with pytest.raises(SystemExit) as e:
+            generate_main(args)
+        assert e.value.code == 2 and "has no native bf16 products" in capsys.readouterr().err
+        return
     with pytest.raises(SystemExit) as e:
         generate_main(["--ckpt", trained_ckpt, "--prompt", "def fib(n):", "--decoder", "tree",
                        "--dtype", "bf16"])
@@ -207,15 +209,23 @@ def test_generate_in_bf16_is_greedy_and_refuses_speculation(trained_ckpt, capsys
     assert "--decoder tree verifies a round of drafts in one forward" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(not BF16, reason="this CPU has no native bf16 products")
-def test_bench_decode_puts_fp32_and_bf16_rows_side_by_side(trained_ckpt, tmp_path) -> None:
+def test_bench_decode_puts_fp32_and_bf16_rows_side_by_side(trained_ckpt, tmp_path,
+                                                           capsys) -> None:
+    """Where the CPU multiplies bf16 natively; elsewhere the bf16 rows are refused before
+    anything runs, naming the CPU."""
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": t[:12]}) + "\n" for t in TEXTS))
     out_csv = tmp_path / "bench.csv"
-    assert bench_main(["--ckpt", trained_ckpt, "--prompts", str(prompts), "--max-new-tokens",
-                       "10", "--decoders", "greedy,self-spec", "--heads", "4", "--repeat", "1",
-                       "--dtype", "bf16,fp32", "--linear-path", "onednn",
-                       "--csv", str(out_csv)]) == 0
+    args = ["--ckpt", trained_ckpt, "--prompts", str(prompts), "--max-new-tokens", "10",
+            "--decoders", "greedy,self-spec", "--heads", "4", "--repeat", "1",
+            "--dtype", "bf16,fp32", "--linear-path", "onednn", "--csv", str(out_csv)]
+    if not BF16:
+        with pytest.raises(SystemExit) as e:
+            bench_main(args)
+        assert e.value.code == 2 and "has no native bf16 products" in capsys.readouterr().err
+        assert not out_csv.exists()
+        return
+    assert bench_main(args) == 0
     rows = {r["decoder"]: r for r in csv.DictReader(out_csv.open())}
     # fp32 first whatever the order given: its greedy is every row's baseline; bf16 decodes
     # greedily only (speculation keeps greedy's output in fp32)

@@ -5,14 +5,20 @@ ends the decoding; the racers take turns by their clocks."""
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 from checkpoint_helpers import bpe_tokenizer
-from demo_helpers import free_port, start_demo, stop_demo, trained_checkpoint
+from demo_helpers import (
+    assert_stopped,
+    free_port,
+    running_race,
+    start_demo,
+    stop_demo,
+    trained_checkpoint,
+)
 
 from mtp.config import ModelConfig
 from mtp.decoding.generation import generate
@@ -164,17 +170,9 @@ def test_stop_ends_the_decoding(ckpt) -> None:
     page, client = _in_process(model, tok)
     try:
         job = client.submit(PROMPT, "heads: chain", 0.0, CONTEXT - 10, False, api_name="/race")
-        deadline = time.monotonic() + 60
-        while not (live_races() and live_races()[0].version > 4):
-            assert time.monotonic() < deadline, "the race did not start"
-            time.sleep(0.01)
-        (running,) = live_races()
+        running = running_race(timeout=60)
         job.cancel()
-        while live_races():
-            assert time.monotonic() < deadline + 30, "the race went on after Stop"
-            time.sleep(0.05)
-        assert all(lane.error == "stopped" and len(lane.tokens) < CONTEXT - 10
-                   for lane in running.lanes)
+        assert_stopped(running, timeout=30, max_new_tokens=CONTEXT - 10)
     finally:
         page.close()
 

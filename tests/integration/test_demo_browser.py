@@ -13,12 +13,11 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from demo_helpers import free_port, trained_checkpoint
+from demo_helpers import assert_stopped, free_port, running_race, trained_checkpoint
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 if not Path(CHROMIUM).exists():
@@ -29,7 +28,6 @@ sync_api = pytest.importorskip("playwright.sync_api", reason="Playwright is not 
 pytest.importorskip("gradio", reason="the demo extra: pip install -e '.[demo]'")
 
 from mtp.demo.page import build_page, serve, warm_up  # noqa: E402  (after the skips: Gradio)
-from mtp.demo.race import live_races  # noqa: E402
 from mtp.model.checkpoint import load_checkpoint  # noqa: E402
 
 torch.set_num_threads(1)
@@ -121,14 +119,6 @@ def test_a_closed_tab_stops_its_decoding(served, browser):
     number.press("Enter")
     _choose(page, "heads: chain")
     page.click("#mtp-race")
-    deadline = time.monotonic() + 120
-    while not (live_races() and live_races()[0].version > 4):
-        assert time.monotonic() < deadline, "the race did not start"
-        time.sleep(0.01)
-    (running,) = live_races()
+    running = running_race(timeout=120)
     page.close()
-    while live_races():
-        assert time.monotonic() < deadline + 60, "the race went on after its tab closed"
-        time.sleep(0.05)
-    assert all(lane.error == "stopped" and len(lane.tokens) < CONTEXT - 10
-               for lane in running.lanes)
+    assert_stopped(running, timeout=60, max_new_tokens=CONTEXT - 10)
