@@ -8,6 +8,7 @@ function that needs it runs (versions come from package metadata).
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import platform
 import subprocess
@@ -61,6 +62,7 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mtp"
 
 
+@functools.cache
 def _cpuinfo_field(name: str) -> str | None:
     """The first value of `name` in /proc/cpuinfo (Linux), None where there is none."""
     try:
