@@ -56,12 +56,13 @@ class ModelConfig:
     """Key/value attention heads for grouped-query attention (None: `n_attn_heads`)."""
     n_future: int = 4
     """K: number of output heads; head 1 predicts the next token, head k the token k ahead."""
-    head_type: Literal["block", "linear", "medusa", "medusa1", "deepseek"] = "block"
+    head_type: Literal["block", "linear", "medusa", "medusa1", "deepseek", "eagle"] = "block"
     """Output heads (`mtp.model.heads`): a transformer block each (the paper's default), a linear d
     x d map each, Medusa's residual block h + SiLU(W h) each, Medusa-1 as vLLM serves it (head 1 the
     main model's output, heads 2..K residual blocks z + SiLU(W z + b) on the normalised trunk output
-    z, no norm after; `mtp export medusa`), or DeepSeek-V3's chain of MTP modules (head i reads head
-    i - 1's output and the token it predicts)."""
+    z, no norm after; `mtp export medusa`), DeepSeek-V3's chain of MTP modules (head i reads head
+    i - 1's output and the token it predicts), or EAGLE's draft layer (heads 2..K one such module,
+    unrolled)."""
     matched_params: bool = False
     """Keep the blocks of trunk and heads at `n_layers + 1` for every K by moving K - 1 trunk
     blocks into the heads (Gloeckle et al.), so a sweep over K compares equal parameter counts.
@@ -158,10 +159,11 @@ class ModelConfig:
 
     @property
     def n_trunk_layers(self) -> int:
-        """Blocks in the shared trunk after the matched-parameter move. `deepseek` heads add
-        one: the block that `block` heads give head 1 is the main model's last (`mtp.model.heads`).
+        """Blocks in the shared trunk after the matched-parameter move. `deepseek` and `eagle`
+        heads add one: the block that `block` heads give head 1 is the main model's last
+        (`mtp.model.heads`).
         """
-        n = self.n_layers + (self.head_type == "deepseek")
+        n = self.n_layers + (self.head_type in ("deepseek", "eagle"))
         return n - (self.n_future - 1) if self.matched_params else n
 
     @property
@@ -469,6 +471,11 @@ class RunConfig:
                      f"end-of-text token); give at least {BYTE_LEVEL_BASE}, or a --data.tokenizer")
         if self.optim.train == "heads" and self.model.n_future < 2:
             p.append("--optim.train heads trains heads 2..K, but --model.n_future is 1")
+        if self.model.head_type == "eagle" and self.model.n_future > 1 and \
+                self.optim.train == "all" and self.loss.strategy == "sequential":
+            p.append("--model.head_type eagle trains with --optim.train heads or --loss.strategy "
+                     "naive: each unrolled step attends to the steps before it, which the "
+                     "sequential strategy, one head at a time, does not keep")
         if self.loss.schedule != "constant" and self.model.n_future < 2:
             p.append(f"--loss.schedule {self.loss.schedule} moves the weights of heads 2..K, but "
                      "--model.n_future is 1")

@@ -18,6 +18,7 @@ from mtp.decoding.drafters import (
     ParallelHeadsDynamicTree,
     ParallelHeadsTree,
 )
+from mtp.decoding.eagle import EagleHeads
 from mtp.decoding.engine import Context, new_cache, run
 from mtp.decoding.lookup import Lookup, LookupChain
 from mtp.decoding.policy import Adaptive, Fixed
@@ -131,6 +132,11 @@ def generate(
         drafter = Drafter()
     elif decoder == "lookup" or one_head:
         drafter = LookupChain(Lookup(request.lookup_tokens, lookup_ngram))
+    elif decoder in ("self-spec", "tree") and model.unrolled and not isinstance(tree, DynamicTree):
+        if decoder == "tree":
+            tree = tree or Tree.from_widths([3, 2] + [1] * max(0, model.cfg.n_future - 3))
+        drafter = EagleHeads(model, heads, tree if decoder == "tree" else None,
+                             Lookup(lookup, lookup_ngram) if lookup else None)
     elif decoder == "self-spec" and lookup:
         # The heads' chain and the lookup's continuation: a tree of two branches.
         drafter = ParallelHeadsTree(model, heads, Tree.from_widths([1] * (heads - 1)),

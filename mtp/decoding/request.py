@@ -208,7 +208,8 @@ class DecodeRequest:
             elif self.heads is not None and not 1 <= self.heads <= k:
                 bad("heads", "{heads} must lie in [1, {k}]: {model} has {k} heads (got {got})",
                     k=k, got=self.heads)
-            if self.lookup > 0 and d in HEAD_DECODERS and model.cascaded:
+            if self.lookup > 0 and d in HEAD_DECODERS and model.cascaded and \
+                    not model.unrolled:
                 bad("lookup", "{lookup} beside cascaded heads (--model.head_type {head_type}) is "
                     "not supported; use parallel heads or {decoder} lookup",
                     head_type=cfg.head_type)

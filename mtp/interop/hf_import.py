@@ -98,7 +98,7 @@ def _pretrained_config(path: Path, hf: dict, cfg: ModelConfig) -> ModelConfig:
                           f"need 2 at least")
     # n_layers counts the trunk and head 1's block: `deepseek` moves that block into the trunk
     # (ModelConfig.n_trunk_layers), `medusa`, `medusa1` and `linear` heads hold none
-    in_head = cfg.head_type in ("block", "deepseek")
+    in_head = cfg.head_type in ("block", "deepseek", "eagle")
     out = dataclasses.replace(
         cfg, vocab_size=hf["vocab_size"], d_model=d, n_layers=n_layers - in_head,
         n_attn_heads=n_attn_heads,
@@ -249,7 +249,7 @@ def init_from_pretrained(model: MTPTransformer) -> None:
     initialisation) and `linear` heads as the identity matrix, so every head again predicts as
     head 1; `medusa1`'s head 1 is the pretrained model itself and its heads 2..K start as the
     identity (Medusa-1 exactly); the block of each `deepseek` module 2..K starts as a copy of
-    the last layer.
+    the last layer, as does `eagle`'s one layer.
     """
     cfg = model.cfg
     path = Path(cfg.init_from)
@@ -262,7 +262,7 @@ def init_from_pretrained(model: MTPTransformer) -> None:
         layer = layer_from_llama(hf, cfg, f"model.layers.{i}")
         targets = [f"blocks.{i}"] if i < cfg.n_trunk_layers else \
             [f"heads.{j}" for j in range(cfg.n_future)]
-        if cfg.head_type == "deepseek" and i == n_layers - 1:
+        if cfg.head_type in ("deepseek", "eagle") and i == n_layers - 1:
             targets += [f"heads.{j}.block" for j in range(1, cfg.n_future)]
         for into in targets:
             state.update({f"{into}.{k}": v.clone() for k, v in layer.items()})
@@ -272,7 +272,7 @@ def init_from_pretrained(model: MTPTransformer) -> None:
     missing, unexpected = model.load_state_dict(state, strict=False)
     # the draft vocabulary is set from the training data; medusa heads keep their zero weights,
     # a deepseek module its projection and norms
-    own = cfg.head_type in ("medusa", "medusa1", "deepseek")
+    own = cfg.head_type in ("medusa", "medusa1", "deepseek", "eagle")
     missing = [k for k in missing if k != "draft_ids" and not (own and k.startswith("heads."))]
     if missing or unexpected:
         raise ExportError(f"--model.init_from {path}: weights do not fit (missing "

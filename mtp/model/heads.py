@@ -21,6 +21,15 @@ positions ahead; head 1, the next token, is `heads[0]`):
   projects 2d -> d and runs one transformer block. The embedding is the trunk's own. Training
   feeds the true tokens (teacher forcing); drafting feeds each head the token drafted by the one
   before (`mtp.decoding.cascaded`).
+- `eagle` (EAGLE, Li et al. 2024): heads 2..K are one layer, unrolled. Head 1 is the main model's
+  output; head i > 1 at position t reads head i - 1's output at t and the embedding of token
+  t + i - 1 (a DeepSeek module's inputs), and the step sits at position t + i - 2, the feature it
+  predicts being that of the next position. Its attention sees the first step's cells up to t,
+  whose features are the trunk's, and the chain's own earlier steps at t: what drafting sees,
+  where the committed positions hold first steps and the drafts hold the chain
+  (`EagleLayer.unrolled`, `mtp.decoding.eagle`). Training every step on the step before's own
+  output is EAGLE-3's training-time test; weighting steps 3..K at zero trains the first alone,
+  as EAGLE-1 does.
 
 Parallel heads are called as head(h, cos, sin, kv, slots, mask) (`PRE_NORM` types: norm(h)),
 cascaded ones as head(x, emb, cos, sin, kv, slots, mask): x is head i - 1's output, emb the
@@ -37,11 +46,13 @@ from mtp.model.layers import Block, RMSNorm
 
 __all__ = [
     "CASCADED", "DeepSeekModule", "HEAD_TYPES", "LinearHead", "MainOutput", "MedusaHead",
-    "PRE_NORM", "build_heads", "head_cache_layers",
+    "PRE_NORM", "UNROLLED", "EagleLayer", "build_heads", "head_cache_layers", "shift_rope",
 ]
 
 #: Head types whose head i reads head i - 1's output and the token it predicts.
-CASCADED = ("deepseek",)
+CASCADED = ("deepseek", "eagle")
+#: Head types whose heads 2..K are one layer, unrolled (`EagleLayer`).
+UNROLLED = ("eagle",)
 #: Head types that read the trunk output after the shared norm, their outputs the normalised
 #: hidden states themselves (no norm after the head).
 PRE_NORM = ("medusa1",)
@@ -99,6 +110,44 @@ class DeepSeekModule(nn.Module):
         return self.block(u, cos, sin, kv, slots, mask)
 
 
+class EagleLayer(DeepSeekModule):
+    """EAGLE's draft layer, DeepSeek's module in form, called once per step of the chain: a
+    cached call is one step of drafting, `unrolled` every position's step at once in training."""
+
+    def unrolled(self, x: torch.Tensor, emb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 past: list[tuple[torch.Tensor, torch.Tensor]]):
+        """One step at every position t of a window: inputs x and emb (B, T, d), the rotary
+        tables of the step's positions, and `past`, the keys and values (B, Hkv, T, hd) of the
+        steps before it. Returns the step's output (B, T, d) and its own keys and values.
+
+        The step at t attends to the first step's cells at positions <= t (causal) and to each
+        later step's cell at t alone (the diagonal), its own included: the cells a draft of the
+        chain from t sees when decoding.
+        """
+        b = self.block
+        u = self.proj(torch.cat([self.hidden_norm(x), self.embed_norm(emb)], dim=-1))
+        q, k, v = b.attn.project(b.attn_norm(u), cos, sin)
+        if past:
+            t = x.shape[1]
+            keys = torch.cat([*(p[0] for p in past), k], dim=-2)  # (B, Hkv, (n + 1) T, hd)
+            values = torch.cat([*(p[1] for p in past), v], dim=-2)
+            eye = torch.eye(t, dtype=torch.bool, device=x.device)
+            mask = torch.cat([torch.ones_like(eye).tril(), *[eye] * len(past)], dim=1)
+            out = b.attn.attend(q, keys, values, mask)
+        else:
+            out = b.attn.attend(q, k, v, None)
+        u = u + out
+        return u + b.mlp(b.mlp_norm(u)), (k, v)
+
+
+def shift_rope(cos: torch.Tensor, sin: torch.Tensor, table_cos: torch.Tensor,
+               table_sin: torch.Tensor, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary tables of positions `offset` further on: cos(a + b) and sin(a + b) from those of
+    a and of b = the offset's row of the tables (max_seq_len, hd / 2)."""
+    c, s = table_cos[offset].to(cos), table_sin[offset].to(sin)
+    return cos * c - sin * s, sin * c + cos * s
+
+
 def _head(cfg: ModelConfig, i: int) -> nn.Module:
     if cfg.head_type == "block":
         return Block(cfg)
@@ -112,13 +161,18 @@ def _head(cfg: ModelConfig, i: int) -> nn.Module:
 
 
 def build_heads(cfg: ModelConfig) -> nn.ModuleList:
-    """The K heads of `cfg.head_type`."""
+    """The K heads of `cfg.head_type`; for `eagle`, heads 2..K are one module."""
+    if cfg.head_type in UNROLLED:
+        layer = EagleLayer(cfg)
+        return nn.ModuleList([MainOutput(), *[layer] * (cfg.n_future - 1)])
     return nn.ModuleList(_head(cfg, i) for i in range(cfg.n_future))
 
 
 def head_cache_layers(cfg: ModelConfig) -> list[int | None]:
     """Each head's layer of the KV cache, None where the head does not attend; the trunk's
     layers come first, then those of the heads that attend, in order."""
+    if cfg.head_type in UNROLLED:  # one layer, one cache layer
+        return [None] + [cfg.n_trunk_layers] * (cfg.n_future - 1)
     attends = {"block": lambda i: True, "deepseek": lambda i: i > 0}.get(cfg.head_type,
                                                                          lambda i: False)
     layers, nxt = [], cfg.n_trunk_layers

@@ -56,6 +56,24 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, (self.n_q + 2 * self.n_kv) * self.hd, bias=cfg.attn_bias)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
 
+    def project(self, x: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries (..., H, T, hd), keys and values (..., Hkv, T, hd) of x, rotated by position."""
+        # Leading dimensions "..." are (B,) for one block and (J, B) for J stacked blocks
+        # (`stack_blocks`), which run the same code with one weight per block.
+        q, k, v = rearrange(self.qkv(x), "... t (h hd) -> ... h t hd", hd=self.hd).split(
+            [self.n_q, self.n_kv, self.n_kv], dim=-3
+        )  # (..., H, T, hd), (..., Hkv, T, hd) x 2
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               mask: torch.Tensor | None) -> torch.Tensor:
+        """The output (..., T, d) of queries q over keys k and values v (causal without mask)."""
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.n_kv != self.n_q
+        )  # (..., H, T, hd)
+        return self.proj(rearrange(out, "... h t hd -> ... t (h hd)"))
+
     def forward(
         self,
         x: torch.Tensor,
@@ -65,12 +83,7 @@ class Attention(nn.Module):
         slots: torch.Tensor | None = None,
         mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        # Leading dimensions "..." are (B,) for one block and (J, B) for J stacked blocks
-        # (`stack_blocks`), which run the same code with one weight per block.
-        q, k, v = rearrange(self.qkv(x), "... t (h hd) -> ... h t hd", hd=self.hd).split(
-            [self.n_q, self.n_kv, self.n_kv], dim=-3
-        )  # (..., H, T, hd), (..., Hkv, T, hd) x 2
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = self.project(x, cos, sin)
         if kv is not None:
             k_cache, v_cache = kv  # (..., Hkv, S, hd)
             idx = slots[..., None, :, None].expand(k.shape)  # slots (B, T) or (J, B, T)
@@ -80,10 +93,7 @@ class Attention(nn.Module):
             # the cache is filled, and decode cost then grows with the text, not with max_len.
             s = mask.shape[-1]
             k, v = k_cache[..., :s, :].to(q.dtype), v_cache[..., :s, :].to(q.dtype)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.n_kv != self.n_q
-        )  # (..., H, T, hd)
-        return self.proj(rearrange(out, "... h t hd -> ... t (h hd)"))
+        return self.attend(q, k, v, mask)
 
 
 class SwiGLU(nn.Module):

@@ -63,7 +63,10 @@ def _head_params(cfg: ModelConfig, *, first: bool = True) -> int:
     d, k = cfg.d_model, cfg.n_future
     each, head1 = {"block": (_block(cfg), True), "linear": (d * d, True),
                    "medusa": (d * d, True), "medusa1": (d * d + d, False),
-                   "deepseek": (2 * d + 2 * d * d + _block(cfg), False)}[cfg.head_type]
+                   "deepseek": (2 * d + 2 * d * d + _block(cfg), False),
+                   "eagle": (2 * d + 2 * d * d + _block(cfg), False)}[cfg.head_type]
+    if cfg.head_type == "eagle":  # heads 2..K are one layer
+        return each * (k > 1)
     return each * (k - 1 + (first and head1))
 
 
@@ -110,7 +113,7 @@ def training_need(cfg: ModelConfig, *, batch_size: int, seq_len: int, naive: boo
     n_params = parameter_count(cfg)
     trainable = _head_params(cfg, first=False) if heads_only else n_params
     n, d, k = batch_size * seq_len, cfg.d_model, cfg.n_future
-    one_head = _activations_per_token(cfg, cfg.head_type in ("block", "deepseek"))
+    one_head = _activations_per_token(cfg, cfg.head_type in ("block", "deepseek", "eagle"))
     heads = (k * one_head if naive else one_head) + 3 * d  # + dL/dh and the normed output
     logits = 2 * k * n * cfg.vocab_size * 4 if naive else 0
     step = (batch_size * (seq_len + k) * _ID + k * n * _ID  # the windows and the K targets

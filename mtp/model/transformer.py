@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from mtp.config import ModelConfig
-from mtp.model.heads import CASCADED, PRE_NORM, build_heads, head_cache_layers
+from mtp.model.heads import CASCADED, PRE_NORM, UNROLLED, build_heads, head_cache_layers, shift_rope
 from mtp.model.layers import Attention, Block, RMSNorm, rope_tables
 
 T_out = TypeVar("T_out")
@@ -50,7 +50,7 @@ class KVCache:
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
     ) -> None:
-        n_layers = cfg.n_trunk_layers + sum(x is not None for x in head_cache_layers(cfg))
+        n_layers = cfg.n_trunk_layers + len({x for x in head_cache_layers(cfg) if x is not None})
         self.max_len = max_len or cfg.max_seq_len
         shape = (n_layers, batch_size, cfg.attn_kv_heads, self.max_len, cfg.attn_head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)  # (L, B, Hkv, S, hd)
@@ -100,6 +100,7 @@ class MTPTransformer(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_trunk_layers))
         self.heads = build_heads(cfg)
         self.cascaded = cfg.head_type in CASCADED  # head i reads head i - 1's output
+        self.unrolled = cfg.head_type in UNROLLED  # heads 2..K: one layer, unrolled
         self.pre_norm = cfg.head_type in PRE_NORM  # the shared norm before the heads, not after
         self.head_layers = head_cache_layers(cfg)
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
@@ -259,18 +260,32 @@ class MTPTransformer(nn.Module):
         cache: KVCache | None = None,
         slots: torch.Tensor | None = None,
         mask: torch.Tensor | None = None,
+        start: int = 0,
     ) -> Iterator[torch.Tensor]:
-        """Normalised hidden states (B, T, d) of heads 0..heads-1 in order, from the trunk output
-        h (B, T, d); cascaded heads read one another and head i reads tokens[i - 1], e.g. the
-        targets (K, B, T) of `mtp.train.targets.mtp_inputs_targets`. `cache`, `slots` and `mask` are
-        `head_output`'s."""
-        x = h
+        """Normalised hidden states (B, T, d) of heads start..heads-1 in order, from the trunk
+        output h (B, T, d); cascaded heads read one another (those before `start` run unseen)
+        and head i reads tokens[i - 1], e.g. the targets (K, B, T) of
+        `mtp.train.targets.mtp_inputs_targets`. `cache`, `slots` and `mask` are `head_output`'s;
+        `eagle` heads unroll without a cache (`EagleLayer.unrolled`), step i at positions i - 1
+        further on."""
+        x, past = h, []
         for i in range(self.cfg.n_future if heads is None else heads):
-            out = self.head_output(i, x if self.cascaded else h, rope,
-                                   tokens=None if tokens is None or i == 0 else tokens[i - 1],
-                                   cache=cache, slots=slots, mask=mask)
+            if i < start and not self.cascaded:
+                continue
+            if self.unrolled and i > 0:
+                if cache is not None:
+                    raise ValueError("eagle heads draft through mtp.decoding.eagle")
+                rope_i = shift_rope(*rope, self.rope_cos, self.rope_sin, i - 1)
+                out, kv = self.heads[i].unrolled(x, self.embed(tokens[i - 1].clamp(min=0)),
+                                                 *rope_i, past)
+                past.append(kv)
+            else:
+                out = self.head_output(i, x if self.cascaded else h, rope,
+                                       tokens=None if tokens is None or i == 0 else tokens[i - 1],
+                                       cache=cache, slots=slots, mask=mask)
             x = out
-            yield self.head_norm(out)
+            if i >= start:
+                yield self.head_norm(out)
 
     def forward(
         self,
@@ -337,11 +352,15 @@ class MTPTransformer(nn.Module):
         # comparable PaLM-style one, not the hardware utilisation of attention; the unembedding
         # counts K times, once per head. Why, with the figures: docs/design-notes.md, "The FLOP
         # model"; a test checks it against FlopCounterMode over a real step.
-        matrices = sum(p.numel() for part in (self.blocks, self.heads)
+        # a head's matrices count each time it runs (eagle's one layer once per step)
+        matrices = sum(p.numel() for part in (self.blocks, *self.heads)
                        for p in part.parameters() if p.dim() > 1)
         V, d = self.unembed.weight.shape
         unembed = d * (V + (self.cfg.n_future - 1) * (self.cfg.draft_vocab or V))
-        n_attn = sum(isinstance(m, Attention) for m in self.modules())
+        n_attn = sum(isinstance(m, Attention) for part in (self.blocks, *self.heads)
+                     for m in part.modules())
+        if self.unrolled:  # step i >= 2 also scores the i - 1 steps before it, T keys each
+            n_attn += (self.cfg.n_future - 1) * (self.cfg.n_future - 2) // 2
         return 6 * (matrices + unembed) + 12 * n_attn * self.cfg.d_model * seq_len
 
 

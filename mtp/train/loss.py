@@ -155,6 +155,10 @@ def _sequential(model: MTPTransformer, h: torch.Tensor, rope: Rope, targets: tor
         raise RuntimeError("the sequential heads' loss computes the heads' gradients in its "
                            "forward and needs grad mode; without gradients, use the `metrics` "
                            "path")
+    if model.unrolled and model.cfg.n_future > 1:
+        raise ValueError(f"--model.head_type {model.cfg.head_type}: every unrolled step attends "
+                         "to the steps before it, which the sequential path, one head at a time, "
+                         "does not keep; train with --optim.train heads or --loss.strategy naive")
     params = [*model.heads.parameters(), model.norm.weight, model.unembed.weight]
     if model.cascaded:  # the heads embed the tokens they read with the trunk's embedding
         params.append(model.embed.weight)
@@ -354,13 +358,9 @@ def _frozen_trunk(model: MTPTransformer, h: torch.Tensor, rope: Rope, targets: t
                   weights: torch.Tensor, with_accuracy: bool) -> HeadsLoss:
     """Heads 2..K from a frozen trunk's output h, differentiable in their parameters only; no
     loss for head 1, whose weights are frozen with the trunk."""
-    K = model.cfg.n_future
-    x = model.head_output(0, h, rope) if model.cascaded else h  # cascaded heads read head 1's
     losses, accs, total = [], [], h.new_zeros((), dtype=torch.float32)
-    for i in range(1, K):
-        out = model.head_output(i, x, rope, tokens=targets[i - 1])
-        x = out if model.cascaded else h
-        z, W = model.head_norm(out).flatten(0, 1), model.head_unembed(i)
+    for i, z in enumerate(model.head_states(h, rope, targets, start=1), start=1):
+        z, W = z.flatten(0, 1), model.head_unembed(i)
         t = model.head_targets(i, targets[i]).flatten()
         loss = linear_cross_entropy(z, W, t, ignore_index=IGNORE_INDEX)
         total = total + weights[i] * loss

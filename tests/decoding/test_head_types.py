@@ -1,6 +1,6 @@
-"""Every decoder with every head type, and the cascaded (deepseek) drafter against the model's
-own teacher-forced forward. Block heads are covered the same way in
-tests/decoding/test_decoding.py."""
+"""Every decoder with every head type, and the cascaded drafters (deepseek's modules, eagle's
+unrolled layer) against the model's own teacher-forced forward. Block heads are covered the same
+way in tests/decoding/test_decoding.py."""
 
 from __future__ import annotations
 
@@ -22,13 +22,14 @@ from decoding_helpers import (
     train_cyclic,
 )
 
-from mtp.decoding import cascaded
+from mtp.decoding import cascaded, eagle
 from mtp.decoding.generation import generate
 from mtp.decoding.tree import Tree
 
 torch.set_num_threads(1)
 
-OTHER_TYPES = ["linear", "medusa", "medusa1", "deepseek"]
+OTHER_TYPES = ["linear", "medusa", "medusa1", "deepseek", "eagle"]
+DRAFTERS = {"deepseek": cascaded.CascadedHeads, "eagle": eagle.EagleHeads}
 DECODERS = [
     ("self-spec", {}),
     ("tree", {}),
@@ -41,7 +42,7 @@ DECODERS = [
 def _trained(head_type: str):
     """(full, early) models of one head type trained on the cyclic stream. Cascaded heads learn
     the cycle within a few steps, so their early snapshot is taken sooner."""
-    return train_cyclic(steps=120, snapshot=2 if head_type == "deepseek" else 9,
+    return train_cyclic(steps=120, snapshot=2 if head_type in DRAFTERS else 9,
                         head_type=head_type)
 
 
@@ -50,9 +51,9 @@ def trained(request):
     return _trained(request.param)
 
 
-@pytest.fixture
-def deepseek_trained():
-    return _trained("deepseek")
+@pytest.fixture(params=list(DRAFTERS))
+def cascaded_trained(request):
+    return _trained(request.param)
 
 
 @pytest.mark.parametrize("K", [2, 4])
@@ -91,8 +92,9 @@ def test_draft_model_decoding_with_a_chained_target_and_draft(trained):
 
 @pytest.mark.parametrize(("decoder", "kwargs"), [("self-spec", {}),
                                                  ("tree", {"tree": Tree.from_widths([2, 1, 1])})])
-def test_deepseek_speculative_sampling_is_exact(decoder, kwargs):
-    model, prompt, joint = tiny_model(head_type="deepseek")
+@pytest.mark.parametrize("head_type", list(DRAFTERS))
+def test_cascaded_speculative_sampling_is_exact(decoder, kwargs, head_type):
+    model, prompt, joint = tiny_model(head_type=head_type)
     out, stats = generate(model, [prompt] * N_SAMPLES, N_NEW, decoder=decoder,
                           generator=torch.Generator().manual_seed(13), **SAMPLING, **kwargs)
     counts = torch.bincount(cell(out), minlength=V_TINY**N_NEW)
@@ -107,15 +109,16 @@ def _teacher_forced(model, seq: list[int], head: int) -> torch.Tensor:
     return logits[head, 0, len(seq) - 1 - head]
 
 
-def test_deepseek_drafts_condition_on_their_own_drafts(deepseek_trained, monkeypatch):
+def test_cascaded_drafts_condition_on_their_own_drafts(cascaded_trained, monkeypatch):
     """Every node of every round's tree is the right rank of the model's own distribution at
     that depth given the node's path. Siblings at depth 2 hold different tokens, and their
     depth-3 children differ: the depth-3 proposal follows the depth-2 draft."""
-    full, early = deepseek_trained
+    full, early = cascaded_trained
     tree = Tree.from_widths([2, 2, 1])
     seen, children_differ = 0, 0
     proposals = []
-    propose = cascaded.CascadedHeads.propose
+    drafter = DRAFTERS[full.cfg.head_type]
+    propose = drafter.propose
 
     def recording(self, ctx, pending, n):
         prop = propose(self, ctx, pending, n)
@@ -123,7 +126,7 @@ def test_deepseek_drafts_condition_on_their_own_drafts(deepseek_trained, monkeyp
         proposals.append((seqs, prop))
         return prop
 
-    monkeypatch.setattr(cascaded.CascadedHeads, "propose", recording)
+    monkeypatch.setattr(drafter, "propose", recording)
     for model in (early, full):
         prompts = cyclic_prompts(model, 4, seed=7)
         proposals.clear()
@@ -149,12 +152,13 @@ def test_deepseek_drafts_condition_on_their_own_drafts(deepseek_trained, monkeyp
     assert seen > 100 and children_differ > 0
 
 
-def test_deepseek_chain_drafts_are_the_teacher_forced_chain(deepseek_trained, monkeypatch):
+def test_cascaded_chain_drafts_are_the_teacher_forced_chain(cascaded_trained, monkeypatch):
     """A chain's drafts d1, d2, ...: d_i is head i + 1's argmax given pending, d1 .. d_(i-1),
     in rounds after accepted and rejected drafts and with rows of different lengths."""
-    full, early = deepseek_trained
+    full, early = cascaded_trained
     checked = 0
-    propose = cascaded.CascadedHeads.propose
+    drafter = DRAFTERS[full.cfg.head_type]
+    propose = drafter.propose
 
     def checking(self, ctx, pending, n):
         nonlocal checked
@@ -168,7 +172,7 @@ def test_deepseek_chain_drafts_are_the_teacher_forced_chain(deepseek_trained, mo
                 checked += 1
         return prop
 
-    monkeypatch.setattr(cascaded.CascadedHeads, "propose", checking)
+    monkeypatch.setattr(drafter, "propose", checking)
     for model in (early, full):
         prompts = cyclic_prompts(model, 6, seed=8) + [[3]]  # a prompt shorter than the chain
         ref, _ = generate(model, prompts, 24)

@@ -94,7 +94,7 @@ def test_head_1_is_the_pretrained_model_before_training(tmp_path, tokenizer, kin
         torch.testing.assert_close(ours[k], ours[0], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("head_type", ["medusa", "medusa1", "linear", "deepseek"])
+@pytest.mark.parametrize("head_type", ["medusa", "medusa1", "linear", "deepseek", "eagle"])
 def test_every_head_type_starts_from_the_pretrained_model(tmp_path, tokenizer, head_type):
     """The trunk holds every pretrained layer; head 1 is the identity where it has weights (so
     its logits are the pretrained model's), and medusa, medusa1 and linear heads 2..K start as
@@ -103,7 +103,7 @@ def test_every_head_type_starts_from_the_pretrained_model(tmp_path, tokenizer, h
     cfg = pretrained_config(path, ModelConfig(n_future=3, max_seq_len=64, head_type=head_type))
     assert cfg.n_trunk_layers == 3
     ours, model = _head_1_against_transformers(cfg, path, with_model=True)
-    if head_type == "deepseek":  # each module's block is the last layer, its projection new
+    if head_type in ("deepseek", "eagle"):  # each module's block is the last layer
         torch.testing.assert_close(model.heads[1].block.attn.qkv.weight,
                                    model.blocks[-1].attn.qkv.weight, rtol=0, atol=0)
     else:

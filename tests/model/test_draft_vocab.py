@@ -98,7 +98,7 @@ def test_losses_and_gradients_over_the_draft_vocabulary(head_type):
     assert model.unembed.weight.grad[ids].abs().max() > 0
 
 
-@pytest.mark.parametrize("head_type", ["block", "medusa1", "deepseek"])
+@pytest.mark.parametrize("head_type", ["block", "medusa1", "deepseek", "eagle"])
 @pytest.mark.parametrize(("decoder", "kwargs"), [("self-spec", {}), ("tree", {}),
                                                  ("tree", {"tree": Tree.from_widths([3, 2, 1])})])
 def test_speculative_greedy_equals_greedy_with_a_draft_vocabulary(head_type, decoder, kwargs):

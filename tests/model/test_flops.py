@@ -50,7 +50,7 @@ CASES = [
     pytest.param(K, head_type, {}, id=f"K{K}-{head_type}")
     for K in (1, 4) for head_type in ("block", "linear")
 ] + [pytest.param(4, head_type, {}, id=f"K4-{head_type}")
-     for head_type in ("medusa", "medusa1", "deepseek")] + [
+     for head_type in ("medusa", "medusa1", "deepseek", "eagle")] + [
     # grouped-query attention (smaller qkv matrix, same score matmuls) and a tied unembedding
     # (one tensor, still run K times)
     pytest.param(4, "block", dict(n_attn_heads=4, n_attn_kv_heads=2, tie_embeddings=True),

@@ -23,7 +23,7 @@ GiB = 1 << 30
 
 @pytest.mark.parametrize("head_type, tie, bias, kv_heads, matched", [
     (h, t, b, kv, m) for h, t, b, kv, m in itertools.product(
-        ("block", "linear", "medusa", "medusa1", "deepseek"), (False, True), (False, True),
+        ("block", "linear", "medusa", "medusa1", "deepseek", "eagle"), (False, True), (False, True),
         (None, 1), (False, True)) if not m or h in ("block", "deepseek")])
 def test_the_parameter_count_is_the_built_models(head_type, tie, bias, kv_heads, matched):
     cfg = ModelConfig(vocab_size=300, d_model=32, n_layers=4, n_attn_heads=2,

@@ -203,7 +203,8 @@ def test_tied_embeddings_share_one_tensor():
     ({"n_attn_heads": 4, "d_model": 256, "n_attn_kv_heads": 3}, "--model.n_attn_kv_heads (3)"),
     ({"matched_params": True, "n_layers": 2, "n_future": 4}, "--model.matched_params"),
     ({"head_type": "nonsense"},
-     "--model.head_type must be one of block, linear, medusa, medusa1, deepseek (got 'nonsense')"),
+     "--model.head_type must be one of block, linear, medusa, medusa1, deepseek, eagle (got "
+     "'nonsense')"),
     ({"head_type": "linear", "matched_params": True},
      "--model.matched_params does not apply to --model.head_type linear"),
     ({"head_type": "medusa", "matched_params": True},

@@ -1,0 +1,174 @@
+"""Drafting with EAGLE's draft layer (`--model.head_type eagle`): one layer, run once per draft.
+
+With L committed tokens and the pending token at position L, the layer's cache holds one *cell*
+per position q < L: the first step at q, which reads the trunk output at q and token q + 1, all
+known, so it is computed once (`advance`) and kept at slot q. The cell at q = L - 1 predicts the
+first draft.
+
+A round grows the candidate tree (a chain is the tree of widths 1, 1, ...) a level at a time.
+A node at level l >= 1 holds token L + l; its cell, at position L + l - 1, reads its parent's
+cell output (the root's: the cell at L - 1) and its own token, and predicts the node's children:
+the top-k of its distribution for a tree, the argmax or a draw for a chain. It attends to every
+committed cell and to the cells of its ancestors and itself, which sit in scratch slots past the
+committed ones, overwritten by the next round's cells before anything reads them. That is what
+`EagleLayer.unrolled` trains.
+
+With `lookup` (`mtp.decoding.lookup.Lookup`), prompt lookup's continuation is one more branch
+from the root, as for parallel heads (`ParallelHeadsTree`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mtp.decoding.drafters import Drafter, tree_origins
+from mtp.decoding.engine import Context, Proposal, chain_mask
+from mtp.decoding.sampling import multinomial
+from mtp.decoding.tree import Tree, TreeTensors
+from mtp.model.transformer import MTPTransformer
+
+__all__ = ["EagleHeads"]
+
+
+class EagleHeads(Drafter):
+    """EAGLE's layer drafts a chain (tree=None) of up to heads - 1 tokens, or a tree."""
+
+    def __init__(self, model: MTPTransformer, heads: int, tree: Tree | None = None,
+                 lookup=None) -> None:
+        if not model.unrolled:
+            raise ValueError(f"EagleHeads drafts with --model.head_type eagle (got "
+                             f"{model.cfg.head_type})")
+        self.model, self.lookup = model, lookup
+        self.tree = None if tree is None else tree.pruned(heads - 1)
+        self.top = max(self.tree.widths(), default=1) if self.tree is not None else 1
+        depth = heads - 1 if self.tree is None else self.tree.depth
+        self.max_drafts = max(depth, lookup.tokens if lookup is not None else 0)
+        self.depth = depth
+        self.by_shape: dict[tuple[int, int], tuple[TreeTensors, torch.Tensor]] = {}
+        # a draft vocabulary's unembedding rows, gathered once per decode, not once per level
+        self.rows = model.head_unembed(1).detach() if model.cfg.draft_vocab else None
+        self.root: torch.Tensor | None = None  # (B, d): the cell at L - 1 of each row
+
+    @property
+    def slots_needed(self) -> int:
+        nodes = self.depth if self.tree is None else len(self.tree.paths) - 1
+        return nodes + (self.lookup.tokens if self.lookup is not None else 0) + 1
+
+    # -- state -------------------------------------------------------------------------------
+    def _cells(self, ctx: Context, h, rope, tokens, last) -> None:
+        """First steps over trunk outputs h (B, t, d) at slots lengths + 0..t-1 reading `tokens`
+        (B, t); the root becomes each row's cell at index `last` (B,)."""
+        lengths = ctx.cache.lengths
+        t = h.shape[1]
+        slots = lengths[:, None] + torch.arange(t, device=h.device)
+        out = self.model.head_output(1, h, rope, tokens=tokens, cache=ctx.cache, slots=slots,
+                                     mask=chain_mask(lengths, t))
+        self.root = out[torch.arange(len(last), device=h.device), last]
+        ctx.timer.lap("draft")
+
+    def start(self, ctx, prompts, trunk, pending) -> None:
+        h, rope = trunk
+        lengths = torch.tensor([len(p) for p in prompts], device=h.device)
+        nxt = torch.zeros(h.shape[:2], dtype=torch.long, device=h.device)
+        for b, p in enumerate(prompts):
+            nxt[b, : len(p) - 1] = torch.tensor(p[1:], dtype=torch.long, device=h.device)
+        nxt[torch.arange(len(prompts), device=h.device), lengths - 1] = pending
+        ctx.cache.truncate(torch.zeros_like(lengths))
+        self._cells(ctx, h, rope, nxt, lengths - 1)
+        ctx.cache.truncate(lengths)
+        if self.lookup is not None:
+            self.lookup.start(prompts)
+
+    def advance(self, ctx, v) -> None:
+        """The first steps at the committed positions L..L + a, each reading the token after it
+        (the last one the verifier's next token)."""
+        h, rope = v.trunk
+        h = h.gather(1, v.path[..., None].expand(-1, -1, h.shape[-1]))
+        idx = v.path[:, None, :, None].expand(-1, 1, -1, rope[0].shape[-1])
+        rope = tuple(r.gather(2, idx) for r in rope)
+        committed = v.proposal.tokens.gather(1, v.path)  # (B, t), padded with the last
+        rows = torch.arange(len(committed), device=h.device)
+        nxt = torch.cat([committed[:, 1:], committed[:, -1:]], dim=1)
+        nxt[rows, v.accepted] = v.next_token
+        self._cells(ctx, h, rope, nxt, v.accepted)
+
+    def keep(self, idx) -> None:
+        self.root = self.root[idx]
+
+    # -- a round -----------------------------------------------------------------------------
+    def _tensors(self, n: int, m: int, device) -> tuple[TreeTensors, torch.Tensor]:
+        """The tree of a round with n levels and a lookup branch of m tokens, its origins."""
+        if (n, m) not in self.by_shape:
+            tree = Tree.from_widths([1] * n) if self.tree is None else self.tree.pruned(n)
+            tt = TreeTensors.build(tree, device, chain=m)
+            self.by_shape[n, m] = tt, tree_origins(tt, len(tree.paths))
+        return self.by_shape[n, m]
+
+    def propose(self, ctx, pending, n) -> Proposal:
+        if n == 0:
+            return Proposal(pending[:, None], 0)
+        chain = self.lookup.padded(ctx, n, pending.device) if self.lookup is not None else None
+        m = 0 if chain is None else chain.shape[1]
+        levels = min(n, self.depth)
+        tt, origins = self._tensors(levels, m, pending.device)
+        n_tree = len(tt.depth) - m
+        tokens, q = self._grow(ctx, pending, tt, n_tree, levels)
+        if m:
+            tokens = torch.cat([tokens, chain], dim=1)
+        ctx.timer.lap("draft")
+        if self.tree is None and not m:  # the chain's nodes are in order: node j at depth j
+            return Proposal(tokens, levels, q=q, origins=origins)
+        return Proposal(tokens, max(levels, m), tree=tt, origins=origins)
+
+    def _children(self, ctx: Context, hidden: torch.Tensor, width: int):
+        """Children of nodes with cell outputs `hidden` (B, T, d): their top-`width` tokens
+        (B, T, width), and for a sampled chain the draws' distribution (B, T, V)."""
+        logits = self.model.draft_logits(self.model.head_norm(hidden), self.rows)
+        if self.tree is not None or self.lookup is not None:
+            return logits.topk(width, dim=-1).indices, None
+        if ctx.sampling.greedy:
+            return logits.argmax(-1, keepdim=True), None
+        q = ctx.sampling.probs(logits)
+        return multinomial(q, ctx.generator)[..., None], q
+
+    def _grow(self, ctx: Context, pending: torch.Tensor, tt: TreeTensors, nodes: int, n: int):
+        """The heads' tree's tokens (B, nodes), level by level, and for a sampled chain
+        q (B, n, V)."""
+        lengths = ctx.cache.lengths
+        dev = pending.device
+        tokens = pending[:, None].repeat(1, nodes)  # every node's token, root = pending
+        out = self.root[:, None].repeat(1, nodes, 1)  # every node's cell output
+        level_of = tt.depth[:nodes].tolist()
+        qs = []
+        for level in range(n):
+            members = [j for j in range(nodes) if level_of[j] == level]
+            idx = torch.tensor(members, device=dev)
+            if level:
+                pos = (lengths + level - 1)[:, None].expand(-1, len(members))
+                slots = lengths[:, None] + idx - 1  # scratch past the committed cells
+                rope = self.model.rotary(pos)
+                out[:, idx] = self.model.head_output(
+                    level + 1, out[:, tt.parent[idx]], rope, tokens=tokens[:, idx],
+                    cache=ctx.cache, slots=slots, mask=self._mask(tt, idx, lengths, nodes))
+            kids, q = self._children(ctx, out[:, idx], self.top)
+            if q is not None:
+                qs.append(q[:, 0])
+            child = [c for c in range(nodes) if level_of[c] == level + 1]
+            if child:
+                cidx = torch.tensor(child, device=dev)
+                where = {j: i for i, j in enumerate(members)}
+                parent_pos = torch.tensor([where[int(tt.parent[c])] for c in child], device=dev)
+                tokens[:, cidx] = kids[:, parent_pos, tt.rank[cidx]]
+        return tokens, (torch.stack(qs, 1) if qs else None)
+
+    @staticmethod
+    def _mask(tt: TreeTensors, idx: torch.Tensor, lengths: torch.Tensor,
+              nodes: int) -> torch.Tensor:
+        """Attention mask (B, 1, T, S) of the cells of nodes `idx`: the committed cells, and the
+        scratch slots (node j's at lengths + j - 1) of each node's ancestors and itself."""
+        s = int(lengths.max()) + nodes - 1
+        rel = torch.arange(s, device=lengths.device)[None] - lengths[:, None] + 1  # (B, S)
+        node = rel.clamp(1, nodes - 1)
+        see = (rel >= 1) & (rel < nodes)  # (B, S): a scratch slot of this round
+        anc = tt.ancestors[idx][:, node]  # (T, B, S)
+        return ((rel < 1)[None] | (see[None] & anc)).transpose(0, 1)[:, None]

@@ -1,0 +1,84 @@
+"""EAGLE's draft layer unrolled over a window (training-time test) against a step-by-step
+reference: the layer run one draft at a time through the KV cache, as decoding runs it."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mtp.config import ModelConfig
+from mtp.model.transformer import KVCache, MTPTransformer
+from mtp.train.loss import naive_mtp_loss
+from mtp.train.targets import IGNORE_INDEX, mtp_inputs_targets
+
+K, T, B = 4, 12, 2
+
+
+def _model() -> MTPTransformer:
+    torch.manual_seed(0)
+    cfg = ModelConfig.from_name("debug", n_future=K, head_type="eagle", max_seq_len=64,
+                                init_std=0.2)
+    return MTPTransformer(cfg).double().eval()
+
+
+def _step_by_step(model: MTPTransformer, h, targets, b: int, q: int) -> list[torch.Tensor]:
+    """Heads 2..K's normalised states at position q of row b: the first step over every
+    position through the cache (the committed cells), then one step at a time, each in a
+    scratch slot, seeing the cells up to q and the chain's own."""
+    cache = KVCache(model.cfg, 1, T + K, dtype=torch.float64)
+    pos = torch.arange(T)[None]
+    causal = (pos[0, None] <= pos[0, :, None])[None, None]  # (1, 1, T, T)
+    out = model.head_output(1, h[b:b + 1], model.rotary(pos), tokens=targets[0][b:b + 1],
+                            cache=cache, slots=pos, mask=causal)
+    x, states = out[:, q:q + 1], [model.head_norm(out[0, q])]
+    for i in range(2, K):
+        slot = T + i - 2
+        mask = torch.zeros(1, 1, 1, slot + 1, dtype=torch.bool)
+        mask[..., : q + 1] = True  # the committed cells up to q
+        mask[..., T:] = True  # the chain's earlier steps and this one
+        x = model.head_output(i, x, model.rotary(torch.tensor([[q + i - 1]])),
+                              tokens=targets[i - 1][b:b + 1, q:q + 1], cache=cache,
+                              slots=torch.tensor([[slot]]), mask=mask)
+        states.append(model.head_norm(x[0, 0]))
+    return states
+
+
+def test_the_unrolled_steps_and_loss_equal_the_step_by_step_reference():
+    model = _model()
+    window = torch.randint(0, model.cfg.vocab_size, (B, T + K))
+    inputs, targets = mtp_inputs_targets(window, K)
+    targets = targets.clone()
+    targets[2, 0, :3] = IGNORE_INDEX
+    with torch.no_grad():
+        h, rope = model.trunk(inputs)
+        unrolled = list(model.head_states(h, rope, targets))  # (B, T, d) per head
+    ref = torch.stack([torch.stack([torch.stack(_step_by_step(model, h, targets, b, q))
+                                    for q in range(T)], 1) for b in range(B)], 1)
+    got = torch.stack(unrolled[1:])  # (K - 1, B, T, d)
+    torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-10)
+    # the loss of every head, from the reference's states
+    loss = naive_mtp_loss(model, inputs, targets)
+    for i in range(1, K):
+        want = F.cross_entropy(model.unembed(ref[i - 1]).flatten(0, 1), targets[i].flatten(),
+                               ignore_index=IGNORE_INDEX)
+        torch.testing.assert_close(loss.head_losses[i], want, rtol=1e-10, atol=0)
+
+
+def test_heads_2_to_k_are_one_layer_that_every_step_trains_and_a_state_dict_keeps():
+    model = _model()
+    assert model.heads[1] is model.heads[2] is model.heads[3]
+    assert len(list(model.heads.parameters())) == len(list(model.heads[1].parameters()))
+    window = torch.randint(0, model.cfg.vocab_size, (1, T + K))
+    inputs, targets = mtp_inputs_targets(window, K)
+    grads = []
+    for w in ([0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0]):  # the first step; the last alone
+        model.zero_grad()
+        naive_mtp_loss(model, inputs, targets, w).loss.backward()
+        grads.append(model.heads[1].proj.weight.grad.clone())
+    assert grads[0].abs().sum() > 0 and grads[1].abs().sum() > 0
+    assert not torch.allclose(grads[0], grads[1])
+    fresh = MTPTransformer(model.cfg).double().eval()
+    fresh.load_state_dict(model.state_dict())
+    assert fresh.heads[1] is fresh.heads[3]
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(inputs), model(inputs), rtol=0, atol=0)
