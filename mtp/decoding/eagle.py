@@ -13,6 +13,11 @@ committed cell and to the cells of its ancestors and itself, which sit in scratc
 committed ones, overwritten by the next round's cells before anything reads them. That is what
 `EagleLayer.unrolled` trains.
 
+With a `DynamicTree` the tree is grown anew each round where the layer is sure (EAGLE-2): each
+level expands the `top` likeliest nodes of the level before (a node's chance: the product of its
+path's probabilities) into their `top` candidates, and the round verifies the likeliest nodes of
+all those it saw, as many as pay for their forward time on this machine (`DynamicTree.choose`).
+
 With `lookup` (`mtp.decoding.lookup.Lookup`), prompt lookup's continuation is one more branch
 from the root, as for parallel heads (`ParallelHeadsTree`).
 """
@@ -24,23 +29,29 @@ import torch
 from mtp.decoding.drafters import Drafter, tree_origins
 from mtp.decoding.engine import Context, Proposal, chain_mask
 from mtp.decoding.sampling import multinomial
-from mtp.decoding.tree import Tree, TreeTensors
+from mtp.decoding.tree import DynamicTree, Tree, TreeTensors
 from mtp.model.transformer import MTPTransformer
 
 __all__ = ["EagleHeads"]
 
 
 class EagleHeads(Drafter):
-    """EAGLE's layer drafts a chain (tree=None) of up to heads - 1 tokens, or a tree."""
+    """EAGLE's layer drafts a chain (tree=None) of up to heads - 1 tokens, a tree, or a tree
+    grown each round (`DynamicTree`)."""
 
-    def __init__(self, model: MTPTransformer, heads: int, tree: Tree | None = None,
-                 lookup=None) -> None:
+    def __init__(self, model: MTPTransformer, heads: int,
+                 tree: Tree | DynamicTree | None = None, lookup=None) -> None:
         if not model.unrolled:
             raise ValueError(f"EagleHeads drafts with --model.head_type eagle (got "
                              f"{model.cfg.head_type})")
         self.model, self.lookup = model, lookup
+        self.dynamic = tree if isinstance(tree, DynamicTree) else None
+        if self.dynamic is not None:
+            tree = Tree.from_widths([1] * (heads - 1))  # the depth; each round grows its own
+            self.top = min(self.dynamic.top, model.cfg.draft_vocab or model.cfg.vocab_size)
         self.tree = None if tree is None else tree.pruned(heads - 1)
-        self.top = max(self.tree.widths(), default=1) if self.tree is not None else 1
+        if self.dynamic is None:
+            self.top = max(self.tree.widths(), default=1) if self.tree is not None else 1
         depth = heads - 1 if self.tree is None else self.tree.depth
         self.max_drafts = max(depth, lookup.tokens if lookup is not None else 0)
         self.depth = depth
@@ -52,6 +63,8 @@ class EagleHeads(Drafter):
     @property
     def slots_needed(self) -> int:
         nodes = self.depth if self.tree is None else len(self.tree.paths) - 1
+        if self.dynamic is not None:  # the nodes verified, or those expanded on the way
+            nodes = max(self.dynamic.max_nodes, 1 + self.top * (self.depth - 1))
         return nodes + (self.lookup.tokens if self.lookup is not None else 0) + 1
 
     # -- state -------------------------------------------------------------------------------
@@ -67,6 +80,12 @@ class EagleHeads(Drafter):
         ctx.timer.lap("draft")
 
     def start(self, ctx, prompts, trunk, pending) -> None:
+        if self.dynamic is not None:
+            from mtp.decoding.cost import verify_seconds
+
+            extra = self.lookup.tokens if self.lookup is not None else 0
+            self.seconds = verify_seconds(ctx.model, len(prompts),
+                                          self.dynamic.max_nodes + 1 + extra)
         h, rope = trunk
         lengths = torch.tensor([len(p) for p in prompts], device=h.device)
         nxt = torch.zeros(h.shape[:2], dtype=torch.long, device=h.device)
@@ -110,6 +129,14 @@ class EagleHeads(Drafter):
         chain = self.lookup.padded(ctx, n, pending.device) if self.lookup is not None else None
         m = 0 if chain is None else chain.shape[1]
         levels = min(n, self.depth)
+        if self.dynamic is not None:
+            tokens, tree = self._grow_dynamic(ctx, pending, levels, m)
+            tt = TreeTensors.build(tree, pending.device, chain=m)
+            if m:
+                tokens = torch.cat([tokens, chain], dim=1)
+            ctx.timer.lap("draft")
+            return Proposal(tokens, max(tree.depth, m), tree=tt,
+                            origins=tree_origins(tt, len(tree.paths)))
         tt, origins = self._tensors(levels, m, pending.device)
         n_tree = len(tt.depth) - m
         tokens, q = self._grow(ctx, pending, tt, n_tree, levels)
@@ -124,6 +151,9 @@ class EagleHeads(Drafter):
         """Children of nodes with cell outputs `hidden` (B, T, d): their top-`width` tokens
         (B, T, width), and for a sampled chain the draws' distribution (B, T, V)."""
         logits = self.model.draft_logits(self.model.head_norm(hidden), self.rows)
+        if self.dynamic is not None:  # the candidates and their probabilities
+            probs, kids = logits.float().softmax(-1).topk(width, dim=-1)
+            return kids, probs
         if self.tree is not None or self.lookup is not None:
             return logits.topk(width, dim=-1).indices, None
         if ctx.sampling.greedy:
@@ -149,7 +179,8 @@ class EagleHeads(Drafter):
                 rope = self.model.rotary(pos)
                 out[:, idx] = self.model.head_output(
                     level + 1, out[:, tt.parent[idx]], rope, tokens=tokens[:, idx],
-                    cache=ctx.cache, slots=slots, mask=self._mask(tt, idx, lengths, nodes))
+                    cache=ctx.cache, slots=slots,
+                    mask=self._mask(tt.ancestors, idx, lengths, nodes))
             kids, q = self._children(ctx, out[:, idx], self.top)
             if q is not None:
                 qs.append(q[:, 0])
@@ -161,14 +192,60 @@ class EagleHeads(Drafter):
                 tokens[:, cidx] = kids[:, parent_pos, tt.rank[cidx]]
         return tokens, (torch.stack(qs, 1) if qs else None)
 
+    def _grow_dynamic(self, ctx: Context, pending: torch.Tensor, levels: int,
+                      m: int) -> tuple[torch.Tensor, Tree]:
+        """EAGLE-2's round: expand the `top` likeliest nodes of each level (cells in scratch
+        slots, node e's at lengths + e - 1), then keep the likeliest nodes seen. Returns the
+        kept tree's tokens (B, N + 1), root first, and the tree. One tree for the batch: the
+        rows' chances are averaged."""
+        lengths, top, dev = ctx.cache.lengths, self.top, pending.device
+        most = 1 + top * max(levels - 1, 0)  # the root and every node expanded
+        anc = torch.eye(most, dtype=torch.bool, device=dev)  # among expanded nodes
+        outs = [self.root]  # the expanded nodes' cell outputs, root first
+        # the candidates: path of ranks -> (token (B,), chance (B,), parent expanded index)
+        seen: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor, int]] = {}
+        kids, probs = self._children(ctx, self.root[:, None], top)
+        frontier = [((r,), kids[:, 0, r], probs[:, 0, r], 0) for r in range(top)]
+        for level in range(1, levels + 1):
+            for path, token, chance, parent in frontier:
+                seen[path] = token, chance, parent
+            if level == levels:
+                break
+            frontier.sort(key=lambda c: -float(c[2].mean()))
+            pick = frontier[:top]
+            first = len(outs)
+            idx = torch.arange(first, first + len(pick), device=dev)
+            for e, (_, _, _, parent) in zip(idx.tolist(), pick):
+                anc[e] |= anc[parent]
+            x = torch.stack([outs[p] for *_, p in pick], 1)  # (B, n, d)
+            tokens = torch.stack([t for _, t, _, _ in pick], 1)
+            pos = (lengths + level - 1)[:, None].expand(-1, len(pick))
+            out = self.model.head_output(
+                level + 1, x, self.model.rotary(pos), tokens=tokens, cache=ctx.cache,
+                slots=lengths[:, None] + idx - 1, mask=self._mask(anc, idx, lengths, most))
+            outs.extend(out.unbind(1))
+            kids, probs = self._children(ctx, out, top)
+            frontier = [(path + (r,), kids[:, j, r], chance * probs[:, j, r], e)
+                        for j, ((path, _, chance, _), e) in enumerate(zip(pick, idx.tolist()))
+                        for r in range(top)]
+        # the likeliest first; a child is never likelier than its parent, and ties go to the
+        # shallower, so every prefix is a tree
+        ranked = sorted(seen, key=lambda p: (-float(seen[p][1].mean()), len(p)))
+        n = self.dynamic.choose([float(seen[p][1].mean()) for p in ranked],
+                                self.seconds[m:])
+        tree = Tree.from_paths(ranked[:n])
+        tokens = torch.stack([pending, *(seen[p][0] for p in tree.paths[1:])], 1)
+        return tokens, tree
+
     @staticmethod
-    def _mask(tt: TreeTensors, idx: torch.Tensor, lengths: torch.Tensor,
+    def _mask(ancestors: torch.Tensor, idx: torch.Tensor, lengths: torch.Tensor,
               nodes: int) -> torch.Tensor:
         """Attention mask (B, 1, T, S) of the cells of nodes `idx`: the committed cells, and the
-        scratch slots (node j's at lengths + j - 1) of each node's ancestors and itself."""
+        scratch slots (node j's at lengths + j - 1) of each node's ancestors and itself
+        (`ancestors` (N, N): ancestors[j, i] = i is j or an ancestor of j)."""
         s = int(lengths.max()) + nodes - 1
         rel = torch.arange(s, device=lengths.device)[None] - lengths[:, None] + 1  # (B, S)
         node = rel.clamp(1, nodes - 1)
         see = (rel >= 1) & (rel < nodes)  # (B, S): a scratch slot of this round
-        anc = tt.ancestors[idx][:, node]  # (T, B, S)
+        anc = ancestors[idx][:, node]  # (T, B, S)
         return ((rel < 1)[None] | (see[None] & anc)).transpose(0, 1)[:, None]

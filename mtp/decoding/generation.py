@@ -132,7 +132,7 @@ def generate(
         drafter = Drafter()
     elif decoder == "lookup" or one_head:
         drafter = LookupChain(Lookup(request.lookup_tokens, lookup_ngram))
-    elif decoder in ("self-spec", "tree") and model.unrolled and not isinstance(tree, DynamicTree):
+    elif decoder in ("self-spec", "tree") and model.unrolled:
         if decoder == "tree":
             tree = tree or Tree.from_widths([3, 2] + [1] * max(0, model.cfg.n_future - 3))
         drafter = EagleHeads(model, heads, tree if decoder == "tree" else None,

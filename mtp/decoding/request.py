@@ -213,7 +213,8 @@ class DecodeRequest:
                 bad("lookup", "{lookup} beside cascaded heads (--model.head_type {head_type}) is "
                     "not supported; use parallel heads or {decoder} lookup",
                     head_type=cfg.head_type)
-            if d == "tree" and isinstance(self.tree, DynamicTree) and model.cascaded:
+            if d == "tree" and isinstance(self.tree, DynamicTree) and model.cascaded and \
+                    not model.unrolled:
                 bad("tree", "{tree} dynamic grows a tree from parallel heads; cascaded heads "
                     "(--model.head_type {head_type}) take a fixed tree such as 3,2,1",
                     head_type=cfg.head_type)

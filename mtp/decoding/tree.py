@@ -140,12 +140,18 @@ class DynamicTree:
         `seconds[n]` is the verify forward's time with n tree nodes (its other tokens, the root
         and any lookup branch, included)."""
         paths = best_first(chances, min(self.max_nodes, len(seconds) - 1))
+        n = self.choose([chance for chance, _ in paths], seconds)
+        return Tree.from_paths([path for _, path in paths[:n]])
+
+    def choose(self, chances: Sequence[float], seconds: Sequence[float]) -> int:
+        """How many of the nodes of `chances` (likeliest first, every prefix a tree) to verify:
+        the count n <= `max_nodes` that maximises (1 + the sum of their chances) / seconds[n]."""
         best, gain, n_best = 1.0 / seconds[0], 1.0, 0
-        for n, (chance, _) in enumerate(paths, start=1):
+        for n, chance in enumerate(chances[: min(self.max_nodes, len(seconds) - 1)], start=1):
             gain += chance
             if gain / seconds[n] > best:
                 best, n_best = gain / seconds[n], n
-        return Tree.from_paths([path for _, path in paths[:n_best]])
+        return n_best
 
 
 @dataclass

@@ -10,6 +10,8 @@ head weights (K,), returning a `HeadsLoss`. `heads_loss` takes one from `PATHS` 
   path's peak memory does not grow with K. Needs grad mode.
 - `frozen_trunk`: heads 2..K only, by plain autograd, from the output of a frozen trunk
   (`--optim.train heads`, `mtp.train.frozen_trunk`): no trunk backward, no loss for head 1.
+- `frozen_trunk_soft`: the same against soft targets (`--loss.soft_targets`, EAGLE-3): head i
+  learns the frozen model's own distribution of its token over the draft vocabulary.
 - `metrics`: every head's loss and top-1 accuracy without gradients (validation).
 
 `mtp_loss` runs the trunk and then `heads_loss` inside the model's forward (`heads_fn`), where
@@ -370,6 +372,31 @@ def _frozen_trunk(model: MTPTransformer, h: torch.Tensor, rope: Rope, targets: t
     return HeadsLoss(total, torch.stack(losses), torch.stack(accs) if accs else None, first=1)
 
 
+def _frozen_trunk_soft(model: MTPTransformer, h: torch.Tensor, rope: Rope, targets: torch.Tensor,
+                       weights: torch.Tensor, with_accuracy: bool) -> HeadsLoss:
+    """`frozen_trunk` against soft targets: head i at position t learns the frozen model's
+    distribution of the token at t + i + 1 (head 1's at t + i, restricted to the draft vocabulary
+    and renormalised there), by cross-entropy, wherever its hard target is not ignored. The last
+    i positions of a window, whose teacher lies past it, are not scored."""
+    T = h.shape[1]
+    W = model.head_unembed(1)  # (Vd or V, d)
+    with torch.no_grad():
+        teacher = model.head_norm(model.head_output(0, h, rope)) @ W.T  # (B, T, Vd)
+        p = teacher.float().softmax(-1)
+    losses, accs, total = [], [], h.new_zeros((), dtype=torch.float32)
+    for i, z in enumerate(model.head_states(h, rope, targets, start=1), start=1):
+        log_q = (z[:, : T - i] @ W.T).float().log_softmax(-1)  # (B, T - i, Vd)
+        valid = targets[i][:, : T - i] != IGNORE_INDEX
+        ce = -(p[:, i:] * log_q).sum(-1)  # (B, T - i)
+        loss = (ce * valid).sum() / valid.sum().clamp(min=1)
+        total = total + weights[i] * loss
+        losses.append(loss.detach())
+        if with_accuracy:
+            accs.append(top1_accuracy(z.detach().flatten(0, 1), W,
+                                      model.head_targets(i, targets[i]).flatten()))
+    return HeadsLoss(total, torch.stack(losses), torch.stack(accs) if accs else None, first=1)
+
+
 # -- metrics -------------------------------------------------------------------------------------
 @torch.no_grad()
 def _metrics(model: MTPTransformer, h: torch.Tensor, rope: Rope, targets: torch.Tensor,
@@ -391,6 +418,7 @@ PATHS: dict[str, HeadsLossPath] = {
     "naive": _naive,
     "sequential": sequential_path(),
     "frozen_trunk": _frozen_trunk,
+    "frozen_trunk_soft": _frozen_trunk_soft,
     "metrics": _metrics,
 }
 

@@ -88,7 +88,8 @@ class MTPModule(L.LightningModule):
         with_accuracy = (self.global_step + 1) % self.trainer.log_every_n_steps == 0
         if (frozen := self.frozen_trunk()) is not None:
             h, rope, targets = frozen(batch)
-            out = heads_loss(self.model, h, rope, targets, weights, path="frozen_trunk",
+            path = "frozen_trunk_soft" if self.loss_cfg.soft_targets else "frozen_trunk"
+            out = heads_loss(self.model, h, rope, targets, weights, path=path,
                              with_accuracy=with_accuracy)
         else:
             # the trunk and the heads in one forward of the model: FSDP gathers its root unit

@@ -62,10 +62,11 @@ def test_best_first_lists_paths_by_chance_and_every_prefix_is_a_tree():
     assert listed[0] == (pytest.approx(0.6), (0,)) and listed[1][1] == (0, 0)
 
 
-@pytest.fixture(scope="module")
-def cyclic():
-    """Heads trained to be right most of the time (`train_cyclic`)."""
-    return train_cyclic()[0]
+@pytest.fixture(scope="module", params=["block", "eagle"])
+def cyclic(request):
+    """Heads trained to be right most of the time (`train_cyclic`): parallel block heads, and
+    eagle's layer, whose tree grows a level at a time from its own drafts."""
+    return train_cyclic(head_type=request.param)[0]
 
 
 @pytest.mark.parametrize("lookup", [0, 4])
@@ -81,8 +82,9 @@ def test_dynamic_trees_decode_exactly_greedys_tokens(cyclic, lookup):
     assert stats.tokens_per_forward > 1.5
 
 
-def test_dynamic_trees_of_untrained_heads_keep_greedys_output():
-    model = random_model(0)
+@pytest.mark.parametrize("head_type", ["block", "eagle"])
+def test_dynamic_trees_of_untrained_heads_keep_greedys_output(head_type):
+    model = random_model(0, head_type=head_type)
     prompts = random_prompts(4, model.cfg.vocab_size, seed=1)
     want, _ = generate(model, prompts, 20)
     got, _ = generate(model, prompts, 20, decoder="tree", tree=DynamicTree(max_nodes=8, top=3))

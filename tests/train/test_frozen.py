@@ -12,7 +12,7 @@ from mtp.config import ModelConfig
 from mtp.model.transformer import MTPTransformer
 from mtp.train.frozen_trunk import FrozenTrunk
 from mtp.train.loss import heads_loss, naive_mtp_loss, sequential_mtp_loss
-from mtp.train.targets import mtp_inputs_targets, self_targets
+from mtp.train.targets import IGNORE_INDEX, mtp_inputs_targets, self_targets
 
 
 def _frozen_model(head_type: str, **kw) -> MTPTransformer:
@@ -150,3 +150,40 @@ def test_the_disk_store_is_per_model_and_survives_a_torn_row(tmp_path):
     data_vs_self = FrozenTrunk(model, targets="self", max_bytes=0, folder=tmp_path)
     data_vs_self(windows)
     assert data_vs_self.misses == 3
+
+
+@pytest.mark.parametrize("head_type", ["block", "eagle"])
+@pytest.mark.parametrize("draft_vocab", [0, 40])
+def test_soft_targets_are_the_frozen_models_own_distributions(head_type, draft_vocab):
+    """The `frozen_trunk_soft` loss and gradients against a reference from the model's plain
+    forward: head i at t against head 1's distribution at t + i, both over the draft vocabulary,
+    where the hard target is scored."""
+    model = _frozen_model(head_type, draft_vocab=draft_vocab)
+    if draft_vocab:
+        model.draft_ids.copy_(torch.randperm(97)[:draft_vocab])
+    ids = model.draft_ids if draft_vocab else torch.arange(97)
+    window = torch.randint(0, 97, (3, 16 + 3))
+    inputs, targets = mtp_inputs_targets(window, 3)
+    targets = targets.clone()
+    targets[2, 1, :5] = IGNORE_INDEX
+    weights = [0.0, 1.0, 0.5]
+
+    def reference():
+        logits = model(inputs)[..., ids]  # (K, B, T, Vd): teacher-forced, as training reads
+        p = logits[0].detach().softmax(-1)
+        losses = []
+        for i in (1, 2):
+            log_q = logits[i, :, :-i].log_softmax(-1)
+            valid = targets[i][:, :-i] != IGNORE_INDEX
+            losses.append((-(p[:, i:] * log_q).sum(-1) * valid).sum() / valid.sum())
+        return torch.stack(losses)
+
+    want = reference()
+    want_grads = _head_grads(model, (torch.tensor(weights[1:]) * want).sum())
+    h, rope, _ = FrozenTrunk(model, targets="data", max_bytes=0)(window)
+    got = heads_loss(model, h, rope, targets, weights, path="frozen_trunk_soft")
+    torch.testing.assert_close(got.head_losses, want.detach(), rtol=1e-5, atol=0)
+    got_grads = _head_grads(model, got.loss)
+    for name, g in want_grads.items():
+        err = (got_grads[name] - g).norm() / g.norm().clamp(min=1e-30)
+        assert err < 1e-5, f"{name}: {err:.2e}"

@@ -270,3 +270,17 @@ def test_a_schedule_needs_heads_to_move():
             "--loss.schedule ramp moves the weights of heads 2..K, but --model.n_future is 1")):
         RunConfig(model=ModelConfig(n_future=1), loss=LossConfig(schedule="ramp",
                                                                   schedule_steps=3))
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"loss": LossConfig(soft_targets=True)}, "--loss.soft_targets learns the frozen model's "
+     "distributions: it needs --optim.train heads"),
+    ({"model": ModelConfig(head_type="eagle")}, "--model.head_type eagle trains with "
+     "--optim.train heads or --loss.strategy naive"),
+])
+def test_flags_that_need_a_frozen_trunk_say_so(kwargs, message):
+    from mtp.config import RunConfig
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        RunConfig(**kwargs)
+    RunConfig(**kwargs, optim=OptimConfig(train="heads"))  # accepted there
