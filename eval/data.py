@@ -31,12 +31,14 @@ __all__ = [
     "DataError",
     "Task",
     "load_benchmark",
+    "mbpp_train_tasks",
     "read_jsonl",
 ]
 
 MBPP_HUB_ID = "google-research-datasets/mbpp"
 MBPP_TEST_IDS = range(11, 511)
 MBPP_SHOT_IDS = (2, 3, 4)
+MBPP_TRAIN_IDS = range(601, 975)
 BENCHMARKS = ("humaneval", "humaneval+", "mbpp", "mbpp-sanitized", "mbpp+")
 
 _EVALPLUS_HINT = (
@@ -261,6 +263,21 @@ def _read_mbpp_file(path: Path) -> list[tuple[str, dict]]:
             raise DataError(f"{path}: expected a JSON array of MBPP rows")
         return [(f"{path}: item {i}", row) for i, row in enumerate(rows)]
     return [(f"{path}:{n}", row) for n, row in read_jsonl(path)]
+
+
+def mbpp_train_tasks(path: str | Path) -> list[Task]:
+    """The tasks of MBPP's training split (ids 601-974) in an ``mbpp.jsonl`` file that no
+    evaluation reads (the test split is ids 11-510, the shots ids 2-4): those whose description
+    is also a test or shot task's (the splits share a few) are left out."""
+    path = _require(Path(path), "MBPP", "give the full mbpp.jsonl (it holds every split)")
+    tasks = {int(t.task_id.split("/")[1]): t for t in (_mbpp_task(row, where)
+                                                       for where, row in _read_mbpp_file(path))}
+    evaluated = {tasks[i].prompt.lower() for i in (*MBPP_TEST_IDS, *MBPP_SHOT_IDS) if i in tasks}
+    train = [tasks[i] for i in MBPP_TRAIN_IDS
+             if i in tasks and tasks[i].prompt.lower() not in evaluated]
+    if not train:
+        raise DataError(f"{path}: no MBPP training-split tasks (ids 601-974) found")
+    return train
 
 
 def _load_mbpp(path: Path | None, *, sanitized: bool) -> Benchmark:

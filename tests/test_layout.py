@@ -327,7 +327,7 @@ def test_the_heads_loss_has_one_home():
     table); no other module defines a loss function of its own."""
     from mtp.train.loss import PATHS
 
-    assert set(PATHS) == {"naive", "sequential", "frozen_trunk", "metrics"}
+    assert set(PATHS) == {"naive", "sequential", "frozen_trunk", "frozen_trunk_soft", "metrics"}
     elsewhere = []
     for name, path in _modules().items():
         if name in ("mtp.train.loss", "mtp.loss") or name.startswith("mtp.kernels"):

@@ -14,6 +14,9 @@ text` with `--loss.targets greedy` (where the text follows the model's greedy pa
 nearly everywhere in its own answers, every head learns the exact token speculation accepts).
 `--style continue` asks no chat at all: the model continues windows of the code itself, every
 prompt of a batch of one length, so more of the machine's time goes to new tokens.
+`--style mbpp-train` asks the tasks of MBPP's training split (ids 601-974 of `--tasks
+mbpp.jsonl`) in `mtp eval --prompt-format chat`'s words: requests written by people, as the
+benchmarks' are, which no evaluation reads (MBPP's test split is ids 11-510).
 Each batch prints the new tokens per second so far.
 
 Lines are appended a batch at a time, in one write, and fsynced (`mtp.util.atomic.
@@ -37,7 +40,7 @@ from pathlib import Path
 __all__ = ["STYLES", "main", "requests"]
 
 _REQUEST = "Write a Python function `{name}({args})` that does the following:\n\n{doc}"
-STYLES = ("write", "benchmark", "continue")
+STYLES = ("write", "benchmark", "continue", "mbpp-train")
 
 
 def _benchmark_request(node: ast.FunctionDef, doc: str, mbpp: bool) -> str:
@@ -147,6 +150,9 @@ def main(argv: list[str]) -> int:
                         "mtp eval --prompt-format chat uses for HumanEval and MBPP tasks; or "
                         "`continue`: no request, the model's continuation of --prefix-tokens "
                         "tokens of the --source files' code")
+    p.add_argument("--tasks", default=None,
+                   help="with --style mbpp-train: the full mbpp.jsonl, whose training split "
+                        "(ids 601-974) becomes the requests")
     p.add_argument("--prefix-tokens", type=int, default=128,
                    help="with --style continue: the tokens of code each continuation follows")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -173,9 +179,22 @@ def main(argv: list[str]) -> int:
     out = Path(args.out)
     if out.is_dir():
         p.error(f"--out {out} is a directory; give the .jsonl file to write")
-    todo = [] if args.style == "continue" else requests(source, args.requests, args.seed,
-                                                         args.style)
-    if not todo and args.style != "continue":
+    if (args.tasks is None) == (args.style == "mbpp-train"):
+        p.error("--tasks goes with --style mbpp-train, and --style mbpp-train needs --tasks")
+    if args.style == "mbpp-train":
+        from mtp.eval.data import DataError, mbpp_train_tasks
+        from mtp.eval.prompts import chat_request
+
+        try:
+            tasks = mbpp_train_tasks(args.tasks)
+        except DataError as err:
+            p.error(f"--tasks: {err}")
+        random.Random(args.seed).shuffle(tasks)
+        todo = [chat_request(t) for t in tasks[: args.requests]]
+    else:
+        todo = [] if args.style == "continue" else requests(source, args.requests, args.seed,
+                                                             args.style)
+    if not todo and args.style not in ("continue", "mbpp-train"):
         p.error(f"--source {source} has no documented public functions")
 
     import torch

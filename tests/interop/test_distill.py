@@ -248,3 +248,33 @@ def test_an_out_that_cannot_be_written_is_named_and_keeps_its_lines(setup, monke
     lines = out.read_text().splitlines()
     assert len(lines) == 4 and "\n".join(lines[:2]) + "\n" == before
     assert [json.loads(line)["request"] for line in lines] == requests(src, 4, seed=0)
+
+
+def test_mbpp_train_style_asks_the_training_split_in_the_chat_wording(setup, capsys):
+    """`--style mbpp-train`: the requests are MBPP's training-split tasks (ids 601-974) worded
+    as `mtp eval --prompt-format chat` words a task; no test-split task is among them."""
+    from mtp.eval.data import load_benchmark, mbpp_train_tasks
+    from mtp.eval.prompts import chat_request
+
+    tmp, src, _, _ = setup
+    from eval_helpers import DATA
+
+    mbpp = DATA / "mbpp" / "mbpp.jsonl"
+    train = mbpp_train_tasks(mbpp)
+    assert 300 < len(train) < 374 and {int(t.task_id.split("/")[1]) for t in train} <= set(
+        range(601, 975))
+    test = {t.prompt.lower() for t in load_benchmark("mbpp", mbpp).tasks}
+    assert not test & {t.prompt.lower() for t in train}
+    out = tmp / "train.jsonl"
+    args = ["distill", "--model", str(tmp / "m.ckpt"), "--out", str(out), "--source", str(src),
+            "--max-new-tokens", "3", "--requests", "2"]
+    assert main([*args, "--style", "mbpp-train", "--tasks", str(mbpp)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 2 and all(r["request"] in {chat_request(t) for t in train} for r in rows)
+    for bad, message in ((["--style", "mbpp-train"], "needs --tasks"),
+                         (["--tasks", str(mbpp)], "--tasks goes with --style mbpp-train"),
+                         (["--style", "mbpp-train", "--tasks", str(tmp / "no.jsonl")],
+                          "--tasks: MBPP data file not found")):
+        with pytest.raises(SystemExit):
+            main([*args, "--out", str(tmp / "x.jsonl"), *bad])
+        assert message in capsys.readouterr().err
