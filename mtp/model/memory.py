@@ -130,17 +130,25 @@ def training_need(cfg: ModelConfig, *, batch_size: int, seq_len: int, naive: boo
 
 def inference_need(cfg: ModelConfig, *, batch_size: int = 1, param_bytes: int = 4) -> MemoryNeed:
     """What decoding `batch_size` rows needs: the weights, the KV cache of every attending
-    layer over the whole context, and the logits of one forward over a full context (a
-    prefill) for one head."""
+    layer over the whole context, a block's activations over a full context (a prefill, which
+    unembeds each row's last position only), and the logits of a round of up to
+    `_ROUND_TOKENS` tokens."""
     from mtp.model.heads import head_cache_layers
 
-    layers = max(cfg.n_trunk_layers, 0) + sum(x is not None for x in head_cache_layers(cfg))
+    layers = max(cfg.n_trunk_layers, 0) + len({x for x in head_cache_layers(cfg)
+                                                if x is not None})
     cache = 2 * layers * batch_size * cfg.attn_kv_heads * cfg.max_seq_len * cfg.attn_head_dim
     return MemoryNeed({
         "weights": parameter_count(cfg) * param_bytes + _buffers(cfg),
         "KV cache": cache * 4,
-        "logits": batch_size * cfg.max_seq_len * cfg.vocab_size * 4,
+        "prefill": batch_size * cfg.max_seq_len * _activations_per_token(cfg) * 4,
+        "logits": batch_size * min(cfg.max_seq_len, _ROUND_TOKENS) * cfg.vocab_size * 4,
     })
+
+
+#: The tokens of a decode round the estimate counts logits for: a default or dynamic tree (32
+#: nodes at most) with a lookup branch. A wider `--tree` holds more, as its own forward shows.
+_ROUND_TOKENS = 64
 
 
 #: The model's sizes whose smallest value `check_memory` tries, each alone, to say which drive
