@@ -46,15 +46,14 @@ class EagleHeads(Drafter):
                              f"{model.cfg.head_type})")
         self.model, self.lookup = model, lookup
         self.dynamic = tree if isinstance(tree, DynamicTree) else None
-        if self.dynamic is not None:
-            tree = Tree.from_widths([1] * (heads - 1))  # the depth; each round grows its own
+        if self.dynamic is not None:  # each round grows its own tree, as deep as the chain
+            self.tree = Tree.from_widths([1] * (heads - 1))
             self.top = min(self.dynamic.top, model.cfg.draft_vocab or model.cfg.vocab_size)
-        self.tree = None if tree is None else tree.pruned(heads - 1)
-        if self.dynamic is None:
+        else:
+            self.tree = None if tree is None else tree.pruned(heads - 1)
             self.top = max(self.tree.widths(), default=1) if self.tree is not None else 1
-        depth = heads - 1 if self.tree is None else self.tree.depth
-        self.max_drafts = max(depth, lookup.tokens if lookup is not None else 0)
-        self.depth = depth
+        self.depth = heads - 1 if self.tree is None else self.tree.depth
+        self.max_drafts = max(self.depth, lookup.tokens if lookup is not None else 0)
         self.by_shape: dict[tuple[int, int], tuple[TreeTensors, torch.Tensor]] = {}
         # a draft vocabulary's unembedding rows, gathered once per decode, not once per level
         self.rows = model.head_unembed(1).detach() if model.cfg.draft_vocab else None
