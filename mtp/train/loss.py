@@ -357,43 +357,32 @@ def _gathered_head(head: torch.nn.Module):
 
 # -- frozen_trunk --------------------------------------------------------------------------------
 def _frozen_trunk(model: MTPTransformer, h: torch.Tensor, rope: Rope, targets: torch.Tensor,
-                  weights: torch.Tensor, with_accuracy: bool) -> HeadsLoss:
+                  weights: torch.Tensor, with_accuracy: bool, *, soft: bool = False) -> HeadsLoss:
     """Heads 2..K from a frozen trunk's output h, differentiable in their parameters only; no
-    loss for head 1, whose weights are frozen with the trunk."""
-    losses, accs, total = [], [], h.new_zeros((), dtype=torch.float32)
-    for i, z in enumerate(model.head_states(h, rope, targets, start=1), start=1):
-        z, W = z.flatten(0, 1), model.head_unembed(i)
-        t = model.head_targets(i, targets[i]).flatten()
-        loss = linear_cross_entropy(z, W, t, ignore_index=IGNORE_INDEX)
-        total = total + weights[i] * loss
-        losses.append(loss.detach())
-        if with_accuracy:
-            accs.append(top1_accuracy(z.detach(), W, t))
-    return HeadsLoss(total, torch.stack(losses), torch.stack(accs) if accs else None, first=1)
+    loss for head 1, whose weights are frozen with the trunk.
 
-
-def _frozen_trunk_soft(model: MTPTransformer, h: torch.Tensor, rope: Rope, targets: torch.Tensor,
-                       weights: torch.Tensor, with_accuracy: bool) -> HeadsLoss:
-    """`frozen_trunk` against soft targets: head i at position t learns the frozen model's
-    distribution of the token at t + i + 1 (head 1's at t + i, restricted to the draft vocabulary
-    and renormalised there), by cross-entropy, wherever its hard target is not ignored. The last
-    i positions of a window, whose teacher lies past it, are not scored."""
+    With `soft` (`frozen_trunk_soft`), head i at position t learns the frozen model's
+    distribution of the token at t + i + 1 (head 1's at t + i, restricted to the draft
+    vocabulary and renormalised there) by cross-entropy, wherever its hard target is not
+    ignored; the last i positions of a window, whose teacher lies past it, are not scored."""
     T = h.shape[1]
-    W = model.head_unembed(1)  # (Vd or V, d)
-    with torch.no_grad():
-        teacher = model.head_norm(model.head_output(0, h, rope)) @ W.T  # (B, T, Vd)
-        p = teacher.float().softmax(-1)
+    if soft:
+        with torch.no_grad():  # (B, T, Vd)
+            teacher = model.head_norm(model.head_output(0, h, rope)) @ model.head_unembed(1).T
+            p = teacher.float().softmax(-1)
     losses, accs, total = [], [], h.new_zeros((), dtype=torch.float32)
     for i, z in enumerate(model.head_states(h, rope, targets, start=1), start=1):
-        log_q = (z[:, : T - i] @ W.T).float().log_softmax(-1)  # (B, T - i, Vd)
-        valid = targets[i][:, : T - i] != IGNORE_INDEX
-        ce = -(p[:, i:] * log_q).sum(-1)  # (B, T - i)
-        loss = (ce * valid).sum() / valid.sum().clamp(min=1)
+        W, t = model.head_unembed(i), model.head_targets(i, targets[i]).flatten()
+        if soft:
+            log_q = (z[:, : T - i] @ W.T).float().log_softmax(-1)  # (B, T - i, Vd)
+            valid = targets[i][:, : T - i] != IGNORE_INDEX
+            loss = (-(p[:, i:] * log_q).sum(-1) * valid).sum() / valid.sum().clamp(min=1)
+        else:
+            loss = linear_cross_entropy(z.flatten(0, 1), W, t, ignore_index=IGNORE_INDEX)
         total = total + weights[i] * loss
         losses.append(loss.detach())
         if with_accuracy:
-            accs.append(top1_accuracy(z.detach().flatten(0, 1), W,
-                                      model.head_targets(i, targets[i]).flatten()))
+            accs.append(top1_accuracy(z.detach().flatten(0, 1), W, t))
     return HeadsLoss(total, torch.stack(losses), torch.stack(accs) if accs else None, first=1)
 
 
@@ -418,7 +407,7 @@ PATHS: dict[str, HeadsLossPath] = {
     "naive": _naive,
     "sequential": sequential_path(),
     "frozen_trunk": _frozen_trunk,
-    "frozen_trunk_soft": _frozen_trunk_soft,
+    "frozen_trunk_soft": functools.partial(_frozen_trunk, soft=True),
     "metrics": _metrics,
 }
 

@@ -48,7 +48,7 @@ def shard_model(model: MTPTransformer, mesh, *, param_dtype: torch.dtype | None 
                                                reduce_dtype=torch.float32)
     for block in model.blocks:
         fully_shard(block, **kw)
-    for head in model.heads:
+    for head in dict.fromkeys(model.heads):  # eagle's heads 2..K are one module: once
         if any(True for _ in head.parameters()):  # deepseek's head 1 holds none
             fully_shard(head, **kw)
     fully_shard(model, **kw)

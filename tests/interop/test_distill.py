@@ -278,3 +278,4 @@ def test_mbpp_train_style_asks_the_training_split_in_the_chat_wording(setup, cap
         with pytest.raises(SystemExit):
             main([*args, "--out", str(tmp / "x.jsonl"), *bad])
         assert message in capsys.readouterr().err
+        assert not (tmp / "x.jsonl").exists()
