@@ -210,13 +210,14 @@ class DecodeRequest:
                     k=k, got=self.heads)
             if self.lookup > 0 and d in HEAD_DECODERS and model.cascaded and \
                     not model.unrolled:
-                bad("lookup", "{lookup} beside cascaded heads (--model.head_type {head_type}) is "
-                    "not supported; use parallel heads or {decoder} lookup",
+                bad("lookup", "{lookup} beside DeepSeek's modules (--model.head_type "
+                    "{head_type}) is not supported; use parallel or eagle heads, or {decoder} "
+                    "lookup",
                     head_type=cfg.head_type)
             if d == "tree" and isinstance(self.tree, DynamicTree) and model.cascaded and \
                     not model.unrolled:
-                bad("tree", "{tree} dynamic grows a tree from parallel heads; cascaded heads "
-                    "(--model.head_type {head_type}) take a fixed tree such as 3,2,1",
+                bad("tree", "{tree} dynamic grows a tree from parallel or eagle heads; DeepSeek's "
+                    "modules (--model.head_type {head_type}) take a fixed tree such as 3,2,1",
                     head_type=cfg.head_type)
             elif d == "tree" and isinstance(self.tree, Tree) and self.tree.depth:
                 widest = max(self.tree.widths())

@@ -103,5 +103,5 @@ def test_cascaded_heads_are_refused_a_dynamic_tree_naming_the_flag():
     from mtp.decoding import RequestError
 
     model = random_model(0, head_type="deepseek")
-    with pytest.raises(RequestError, match="dynamic grows a tree from parallel heads"):
+    with pytest.raises(RequestError, match="dynamic grows a tree from parallel or eagle heads"):
         generate(model, [[1, 2, 3]], 4, decoder="tree", tree=DynamicTree())

@@ -77,5 +77,5 @@ def test_lookup_errors_name_the_argument() -> None:
         generate(model, [[1, 2]], 4, lookup=4)
     with pytest.raises(ValueError, match="lookup must be >= 0"):
         generate(model, [[1, 2]], 4, decoder="tree", lookup=-1)
-    with pytest.raises(ValueError, match="cascaded heads"):
+    with pytest.raises(ValueError, match="DeepSeek.s modules .* parallel or eagle heads"):
         generate(random_model(head_type="deepseek"), [[1, 2]], 4, decoder="tree", lookup=4)
