@@ -31,7 +31,7 @@ import torch
 from mtp.decoding.drafters import Drafter, tree_origins
 from mtp.decoding.engine import Context, Proposal, Verified
 from mtp.decoding.sampling import multinomial
-from mtp.decoding.tree import Tree, TreeTensors
+from mtp.decoding.tree import Tree, TreeTensors, place_children
 from mtp.model.transformer import MTPTransformer
 
 __all__ = ["CascadedHeads"]
@@ -168,12 +168,7 @@ class CascadedHeads(Drafter):
             kids, q = self._children(ctx, out_at[level + 1][:, idx], width)
             if q is not None:
                 qs.append(q[:, 0])
-            child = [c for c in range(nodes) if level_of[c] == level + 1]
-            if child:
-                cidx = torch.tensor(child, device=dev)
-                where = {m: i for i, m in enumerate(members)}
-                parent_pos = torch.tensor([where[int(tt.parent[c])] for c in child], device=dev)
-                tokens[:, cidx] = kids[:, parent_pos, tt.rank[cidx]]
+            place_children(tokens, kids, tt, level_of, members, level)
         return tokens, (torch.stack(qs, 1) if qs else None)
 
     def _scratch_mask(self, tt: TreeTensors, idx: torch.Tensor, j: int, lengths: torch.Tensor,

@@ -49,7 +49,7 @@ from mtp.decoding.tree import DynamicTree, Tree, TreeTensors
 from mtp.model.transformer import MTPTransformer
 
 __all__ = ["DraftModel", "Drafter", "Oracle", "ParallelHeads", "ParallelHeadsDynamicTree",
-           "ParallelHeadsTree", "chain_origins", "tree_origins"]
+           "ParallelHeadsTree", "chain_origins", "tree_origins", "tree_tensors"]
 
 
 def chain_origins(code: int, n: int, device: torch.device) -> torch.Tensor:
@@ -57,6 +57,19 @@ def chain_origins(code: int, n: int, device: torch.device) -> torch.Tensor:
     origins = torch.full((n + 1,), code, dtype=torch.long, device=device)
     origins[0] = HEAD_1
     return origins
+
+
+def tree_tensors(kept: dict, tree: Tree, m: int,
+                 device: torch.device) -> tuple[TreeTensors, torch.Tensor]:
+    """The tree with a lookup branch of m tokens and its nodes' origins, built once per shape and
+    kept in `kept` (the 4096 latest shapes: dynamic trees come in many)."""
+    key = (tree.paths, m)
+    if key not in kept:
+        if len(kept) >= 4096:
+            kept.pop(next(iter(kept)))
+        tt = TreeTensors.build(tree, device, chain=m)
+        kept[key] = tt, tree_origins(tt, len(tree.paths))
+    return kept[key]
 
 
 def tree_origins(tt: TreeTensors, n_tree: int) -> torch.Tensor:
@@ -234,23 +247,12 @@ class ParallelHeadsTree(ParallelHeads):
         """The tree of a round with at most n levels and a lookup branch of m tokens."""
         return self.tree.pruned(n)
 
-    def _tensors(self, tree: Tree, m: int,
-                 device: torch.device) -> tuple[TreeTensors, torch.Tensor]:
-        """The tree with a lookup branch of m tokens, and its nodes' origins."""
-        key = (tree.paths, m)
-        if key not in self.by_shape:
-            if len(self.by_shape) >= 4096:  # dynamic trees: keep the recent shapes only
-                self.by_shape.pop(next(iter(self.by_shape)))
-            tt = TreeTensors.build(tree, device, chain=m)
-            self.by_shape[key] = tt, tree_origins(tt, len(tree.paths))
-        return self.by_shape[key]
-
     def propose(self, ctx, pending, n) -> Proposal:
         self._catch_up_for(ctx, n)
         chain = self.lookup.padded(ctx, n, pending.device) if self.lookup is not None else None
         m = 0 if chain is None else chain.shape[1]
         tree = self._round_tree(ctx, n, m)
-        tt, origins = self._tensors(tree, m, pending.device)
+        tt, origins = tree_tensors(self.by_shape, tree, m, pending.device)
         # Node j holds candidate rank[j] of head depth[j] + 1; the root holds pending.
         n_tree = len(tree.paths)
         tokens = self.drafts[:, (tt.depth[:n_tree] - 1).clamp(min=0), tt.rank[:n_tree]]

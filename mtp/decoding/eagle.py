@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import torch
 
-from mtp.decoding.drafters import Drafter, tree_origins
+from mtp.decoding.drafters import Drafter, tree_tensors
 from mtp.decoding.engine import Context, Proposal, chain_mask
 from mtp.decoding.sampling import multinomial
-from mtp.decoding.tree import DynamicTree, Tree, TreeTensors
+from mtp.decoding.tree import DynamicTree, Tree, TreeTensors, place_children
 from mtp.model.transformer import MTPTransformer
 
 __all__ = ["EagleHeads"]
@@ -54,7 +54,7 @@ class EagleHeads(Drafter):
             self.top = max(self.tree.widths(), default=1) if self.tree is not None else 1
         self.depth = heads - 1 if self.tree is None else self.tree.depth
         self.max_drafts = max(self.depth, lookup.tokens if lookup is not None else 0)
-        self.by_shape: dict[tuple[int, int], tuple[TreeTensors, torch.Tensor]] = {}
+        self.by_shape: dict = {}  # a round's tree and lookup length -> `tree_tensors`
         # a draft vocabulary's unembedding rows, gathered once per decode, not once per level
         self.rows = model.head_unembed(1).detach() if model.cfg.draft_vocab else None
         self.root: torch.Tensor | None = None  # (B, d): the cell at L - 1 of each row
@@ -114,37 +114,27 @@ class EagleHeads(Drafter):
         self.root = self.root[idx]
 
     # -- a round -----------------------------------------------------------------------------
-    def _tensors(self, n: int, m: int, device) -> tuple[TreeTensors, torch.Tensor]:
-        """The tree of a round with n levels and a lookup branch of m tokens, its origins."""
-        if (n, m) not in self.by_shape:
-            tree = Tree.from_widths([1] * n) if self.tree is None else self.tree.pruned(n)
-            tt = TreeTensors.build(tree, device, chain=m)
-            self.by_shape[n, m] = tt, tree_origins(tt, len(tree.paths))
-        return self.by_shape[n, m]
-
     def propose(self, ctx, pending, n) -> Proposal:
         if n == 0:
             return Proposal(pending[:, None], 0)
         chain = self.lookup.padded(ctx, n, pending.device) if self.lookup is not None else None
         m = 0 if chain is None else chain.shape[1]
         levels = min(n, self.depth)
+        q = None
         if self.dynamic is not None:
             tokens, tree = self._grow_dynamic(ctx, pending, levels, m)
-            tt = TreeTensors.build(tree, pending.device, chain=m)
-            if m:
-                tokens = torch.cat([tokens, chain], dim=1)
-            ctx.timer.lap("draft")
-            return Proposal(tokens, max(tree.depth, m), tree=tt,
-                            origins=tree_origins(tt, len(tree.paths)))
-        tt, origins = self._tensors(levels, m, pending.device)
-        n_tree = len(tt.depth) - m
-        tokens, q = self._grow(ctx, pending, tt, n_tree, levels)
+            tt, origins = tree_tensors(self.by_shape, tree, m, pending.device)
+        else:
+            tree = Tree.from_widths([1] * levels) if self.tree is None else \
+                self.tree.pruned(levels)
+            tt, origins = tree_tensors(self.by_shape, tree, m, pending.device)
+            tokens, q = self._grow(ctx, pending, tt, len(tree.paths), levels)
         if m:
             tokens = torch.cat([tokens, chain], dim=1)
         ctx.timer.lap("draft")
         if self.tree is None and not m:  # the chain's nodes are in order: node j at depth j
             return Proposal(tokens, levels, q=q, origins=origins)
-        return Proposal(tokens, max(levels, m), tree=tt, origins=origins)
+        return Proposal(tokens, max(tree.depth, m), tree=tt, origins=origins)
 
     def _children(self, ctx: Context, hidden: torch.Tensor, width: int):
         """Children of nodes with cell outputs `hidden` (B, T, d): their top-`width` tokens
@@ -183,12 +173,7 @@ class EagleHeads(Drafter):
             kids, q = self._children(ctx, out[:, idx], self.top)
             if q is not None:
                 qs.append(q[:, 0])
-            child = [c for c in range(nodes) if level_of[c] == level + 1]
-            if child:
-                cidx = torch.tensor(child, device=dev)
-                where = {j: i for i, j in enumerate(members)}
-                parent_pos = torch.tensor([where[int(tt.parent[c])] for c in child], device=dev)
-                tokens[:, cidx] = kids[:, parent_pos, tt.rank[cidx]]
+            place_children(tokens, kids, tt, level_of, members, level)
         return tokens, (torch.stack(qs, 1) if qs else None)
 
     def _grow_dynamic(self, ctx: Context, pending: torch.Tensor, levels: int,

@@ -13,7 +13,7 @@ import torch
 
 from mtp.model.transformer import MTPTransformer
 
-__all__ = ["MAX_TREE_NODES", "DynamicTree", "Tree", "TreeTensors", "best_first",
+__all__ = ["MAX_TREE_NODES", "DynamicTree", "Tree", "TreeTensors", "best_first", "place_children",
            "head_accuracy"]
 
 #: The most nodes a tree may have: one forward verifies them all (Medusa's trees have ~64).
@@ -195,6 +195,21 @@ class TreeTensors:
             ancestors=anc.to(device),
             path=path.to(device),
         )
+
+
+def place_children(tokens: torch.Tensor, kids: torch.Tensor, tt: TreeTensors,
+                   level_of: list[int], members: list[int], level: int) -> None:
+    """Write into `tokens` (B, N+1) the tokens of the nodes one level below `level`, from the
+    candidates `kids` (B, len(members), width) of that level's nodes `members`: each child takes
+    its parent's candidate of its own rank (a tree grown a level at a time)."""
+    child = [c for c in range(len(level_of)) if level_of[c] == level + 1]
+    if not child:
+        return
+    dev = tokens.device
+    cidx = torch.tensor(child, device=dev)
+    where = {m: i for i, m in enumerate(members)}
+    parent_pos = torch.tensor([where[int(tt.parent[c])] for c in child], device=dev)
+    tokens[:, cidx] = kids[:, parent_pos, tt.rank[cidx]]
 
 
 @torch.no_grad()

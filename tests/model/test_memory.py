@@ -107,3 +107,15 @@ def test_an_exports_stored_config_is_checked_the_same_way(tmp_path):
     with pytest.raises(InputError, match=f"{meta_path} stores an invalid model config: "
                                          "invalid configuration:\n  --model.max_seq_len must"):
         load_checkpoint(tmp_path / "hf")
+
+
+def test_a_decode_estimate_counts_one_rounds_logits_not_the_whole_contexts():
+    """SmolLM2-135M's shape at 2048 positions: 64 rows decoded at once (the recipes' `mtp
+    distill --batch-size 64`) fit a 24 GiB machine; logits over every position of every row
+    (24 GiB alone) would not."""
+    cfg = ModelConfig(vocab_size=49152, d_model=576, n_layers=29, n_attn_heads=9,
+                      n_attn_kv_heads=3, ffn_hidden=1536, n_future=1, max_seq_len=2048,
+                      tie_embeddings=True)
+    need = memory.inference_need(cfg, batch_size=64)
+    assert need.parts["logits"] < 64 * 2048 * 49152 * 4 // 16
+    assert sum(need.parts.values()) < 16 * GiB
