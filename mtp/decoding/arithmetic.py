@@ -27,13 +27,14 @@ sums). Prepared weights are made once and kept beside each module (keyed by the 
 and version, so a weight changed in place is prepared again); those of ``onednn`` and ``mkl``
 cost as much memory as the weights they mirror.
 
-``--dtype bf16`` (`decode_dtype`, `to_decode_dtype`) decodes with bf16 weights, activations and
-KV cache where the CPU multiplies bf16 natively (avx512_bf16 or AMX); elsewhere it is refused,
-as emulated bf16 is slower than fp32. The rotary tables stay fp64 and norms compute in fp32
-(`mtp.model.layers`). Greedy and sampling only: in bf16 a verify forward's rows do not round as
-one-token forwards do (the CPU attention kernel blocks by the number of queries and keys, and the
-long products by rows), and a last-bit difference is 0.4%, so speculative decoders are refused
-in bf16 (`mtp.decoding.DecodeRequest`).
+``--dtype bf16`` (`decode_dtype`, `to_decode_dtype`) decodes with bf16 weights and activations where
+the CPU multiplies bf16 natively (avx512_bf16 or AMX); elsewhere it is refused, as emulated bf16 is
+slower than fp32. The rotary tables stay fp64, norms compute in fp32 (`mtp.model.layers`), and on a
+CPU the KV cache and attention stay fp32, as the CPU's bf16 attention kernel is the slower one
+(`mtp.decoding.engine.new_cache`). Greedy and sampling only: in bf16 a verify forward's rows do not
+round as one-token forwards do (the CPU attention kernel blocks by the number of queries and keys,
+and the long products by rows), and a last-bit difference is 0.4%, so speculative decoders are
+refused in bf16 (`mtp.decoding.DecodeRequest`).
 """
 
 from __future__ import annotations

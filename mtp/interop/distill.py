@@ -17,19 +17,26 @@ prompt of a batch of one length, so more of the machine's time goes to new token
 `--style mbpp-train` asks the tasks of MBPP's training split (ids 601-974 of `--tasks
 mbpp.jsonl`) in `mtp eval --prompt-format chat`'s words: requests written by people, as the
 benchmarks' are, which no evaluation reads (MBPP's test split is ids 11-510).
-Each batch prints the new tokens per second so far.
+Requests are answered in batches of similar prompt length, shortest first, as a batch's
+prefill pads every prompt to its longest. Each batch prints the new tokens per second so far and
+the rate of the model's useful arithmetic; the end of a run prints that rate against one batched
+forward of the same model on the same machine. `--dtype bf16` on a CPU with bf16 products
+multiplies in bf16 and attends in fp32 (`mtp.decoding.engine.new_cache`); its answers are the
+bf16 model's, of which `--loss.targets greedy` trains on the positions where they follow the fp32
+model's greedy path.
 
-Lines are appended a batch at a time, in one write, and fsynced (`mtp.util.atomic.
-AppendOnlyFile`); a rerun with the same arguments continues after the last complete line, so an
-interrupted run loses at most one batch, and a write that fails (a full disk, a read-only folder)
-is named and leaves the earlier lines as they were. One run at a time writes an `--out` file: a
-second one started meanwhile is refused.
+Lines are appended a batch at a time, in one write, and fsynced (`mtp.util.atomic. AppendOnlyFile`);
+a rerun answers the requests whose prompt no line begins with, so an interrupted run loses at most
+one batch, whatever `--requests` the rerun has, and a write that fails (a full disk, a read-only
+folder) is named and leaves the earlier lines as they were. One run at a time writes an `--out`
+file: a second one started meanwhile is refused.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import bisect
 import json
 import random
 import sys
@@ -130,6 +137,68 @@ def _load(model_arg: str, max_seq_len: int):
     model = build_model(cfg)
     init_from_pretrained(model)
     return model.eval(), load_tokenizer(pretrained_tokenizer(cfg.init_from))
+
+
+def _answered(out: Path, texts: list[str]) -> list[bool]:
+    """Which of `texts` (the prompts as the model sees them) `out` already answers: a line whose
+    text begins with the prompt. A rerun thus goes on with the rest, in whatever order and with
+    whatever --requests the earlier run had."""
+    if not out.exists():
+        return [False] * len(texts)
+    lines = sorted(json.loads(line)["text"] for line in out.read_text(encoding="utf-8")
+                   .splitlines() if line.strip())
+    # the first line >= a prompt in sort order is the one that begins with it, if any does
+    found = [bisect.bisect_left(lines, t) for t in texts]
+    return [j < len(lines) and lines[j].startswith(t) for j, t in zip(found, texts)]
+
+
+class _Meter:
+    """New tokens per second, and the rate of the model's useful arithmetic: 2 FLOPs per weight
+    of the trunk and head 1 for every prompt and new token, and 2 per weight of the unembedding
+    for every new one (attention, padding and finished rows left out)."""
+
+    def __init__(self, model) -> None:
+        self.trunk = 2 * sum(p.numel() for part in (model.blocks, model.heads[0])
+                             for p in part.parameters() if p.dim() > 1)
+        self.unembed = 2 * model.unembed.weight.numel()
+        self.prompt = self.new = 0
+        self.began = time.perf_counter()
+
+    def add(self, prompts: list[int], new: list[int]) -> None:
+        self.prompt, self.new = self.prompt + sum(prompts), self.new + sum(new)
+
+    @property
+    def flops(self) -> float:
+        return self.trunk * (self.prompt + self.new) + self.unembed * self.new
+
+    def __str__(self) -> str:
+        seconds = time.perf_counter() - self.began
+        return (f"{self.new / seconds:.0f} new tokens/s, {self.flops / seconds / 1e9:.3g} "
+                "GFLOP/s")
+
+    def summary(self) -> str:
+        seconds = time.perf_counter() - self.began
+        return (f"{self.new} new tokens after {self.prompt} prompt tokens in {seconds:.0f} s: "
+                f"{self}")
+
+
+def _peak(model, meter: _Meter, rows: int = 16, length: int = 128) -> str:
+    """The rate of one batched forward of the model over `rows` x `length` tokens, no cache, as
+    a reference for what the machine can do with these weights, and the run's share of it."""
+    import torch
+
+    from mtp.decoding.arithmetic import decode_linears
+    from mtp.decoding.engine import new_cache, prefill
+
+    prompts = [[0] * length] * rows
+    with torch.no_grad(), decode_linears(model):
+        prefill(model, new_cache(model, 1, 8), [[0] * 8])  # warm-up: the weights' packing
+        began = time.perf_counter()
+        prefill(model, new_cache(model, rows, length), prompts)
+        seconds = time.perf_counter() - began
+    rate = meter.trunk * rows * length / seconds  # the prefill unembeds no position
+    return (f"{100 * meter.flops / (time.perf_counter() - meter.began) / rate:.0f}% of a "
+            f"batched forward's {rate / 1e9:.3g} GFLOP/s over {rows} x {length} tokens here")
 
 
 def main(argv: list[str]) -> int:
@@ -246,10 +315,13 @@ def main(argv: list[str]) -> int:
     except WriteError as err:
         p.error(f"--out: {err}")
     with f:
-        # the complete lines are the requests answered (a torn last one was cut on opening)
-        start, written, began = out.read_bytes().count(b"\n"), 0, time.perf_counter()
-        for b in range(start, len(todo), args.batch_size):
-            batch = range(b, min(b + args.batch_size, len(todo)))
+        done = _answered(out, texts)
+        # Prompts of one length answered together: a batch is padded to its longest prompt.
+        order = sorted((i for i in range(len(texts)) if not done[i]),
+                       key=lambda i: len(prompts[i]))
+        meter = _Meter(model)
+        for b in range(0, len(order), args.batch_size):
+            batch = order[b:b + args.batch_size]
             with torch.no_grad():
                 new, _ = generate(model, [prompts[i] for i in batch], args.max_new_tokens,
                                   decoder="greedy", eot_id=eot)
@@ -263,12 +335,13 @@ def main(argv: list[str]) -> int:
             try:
                 f.append("".join(lines))  # the batch whole, or nothing of it
             except WriteError as err:
-                p.error(f"--out: {err}; the {b} answers before are kept, and the same command "
-                        "goes on after them")
-            written += sum(map(len, new))
-            seconds = time.perf_counter() - began
-            print(f"{min(b + args.batch_size, len(todo))}/{len(todo)} requests answered, "
-                  f"{written / seconds:.0f} new tokens/s", file=sys.stderr, flush=True)
+                p.error(f"--out: {err}; the {sum(done) + b} answers before are kept, and the "
+                        "same command goes on with the requests not yet answered")
+            meter.add([len(prompts[i]) for i in batch], [len(ids) for ids in new])
+            print(f"{sum(done) + b + len(batch)}/{len(todo)} requests answered, {meter}",
+                  file=sys.stderr, flush=True)
+        if order:
+            print(f"{meter.summary()} ({_peak(model, meter)})", file=sys.stderr, flush=True)
     return 0
 
 

@@ -68,11 +68,13 @@ class Attention(nn.Module):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                mask: torch.Tensor | None) -> torch.Tensor:
-        """The output (..., T, d) of queries q over keys k and values v (causal without mask)."""
+        """The output (..., T, d) of queries q over keys k and values v (causal without mask),
+        computed in the keys' dtype and projected in the queries'."""
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.n_kv != self.n_q
+            q.to(k.dtype), k, v, attn_mask=mask, is_causal=mask is None,
+            enable_gqa=self.n_kv != self.n_q
         )  # (..., H, T, hd)
-        return self.proj(rearrange(out, "... h t hd -> ... t (h hd)"))
+        return self.proj(rearrange(out.to(q.dtype), "... h t hd -> ... t (h hd)"))
 
     def forward(
         self,
@@ -92,7 +94,7 @@ class Attention(nn.Module):
             # Attend over the first S slots only, S = the mask's width: the caller knows how far
             # the cache is filled, and decode cost then grows with the text, not with max_len.
             s = mask.shape[-1]
-            k, v = k_cache[..., :s, :].to(q.dtype), v_cache[..., :s, :].to(q.dtype)
+            k, v = k_cache[..., :s, :], v_cache[..., :s, :]  # attended in the cache's dtype
         return self.attend(q, k, v, mask)
 
 

@@ -181,10 +181,13 @@ def test_bf16_keeps_the_rotary_tables_and_is_refused_without_bf16_products(monke
 
 def test_bf16_decodes_greedily_and_refuses_speculation():
     """In bf16 a verify forward's rows do not round as one-token forwards do, so speculative
-    decoders are refused; greedy decoding runs."""
+    decoders are refused; greedy decoding runs, its KV cache and attention in fp32 (the CPU's
+    bf16 attention kernel is the slower one)."""
+    from mtp.decoding.engine import new_cache
     from mtp.decoding.request import RequestError
 
     model = to_decode_dtype(_model(), torch.bfloat16)
+    assert new_cache(model, 2, 8).k.dtype == torch.float32
     prompts = [[5, 9, 2, 7], [3, 1, 4, 1, 5, 9, 2]]
     out, stats = generate(model, prompts, 12, decoder="greedy")
     assert [len(o) for o in out] == [12, 12] and stats.tokens == 24

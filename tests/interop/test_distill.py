@@ -102,7 +102,9 @@ def test_benchmark_style_requests_are_worded_as_the_chat_formats(setup):
     assert chat_request(join) in mbpp
 
 
-def test_answers_are_the_greedy_continuations_and_a_rerun_resumes(setup):
+def test_answers_are_the_greedy_continuations_and_a_rerun_resumes(setup, capsys):
+    """Each line is a request's greedy answer; requests go in batches of similar prompt
+    length; a rerun answers the requests the file lacks, whatever --requests it had before."""
     tmp, src, model, tok = setup
     out = tmp / "d.jsonl"
     args = ["distill", "--model", str(tmp / "m.ckpt"), "--out", str(out), "--source", str(src),
@@ -110,6 +112,7 @@ def test_answers_are_the_greedy_continuations_and_a_rerun_resumes(setup):
     assert main([*args, "--requests", "3"]) == 0
     first = out.read_text().splitlines()
     assert len(first) == 3
+    assert "GFLOP/s" in capsys.readouterr().err
     with open(out, "a") as f:
         f.write('{"text": "torn')  # a write killed half-way
     assert main([*args, "--requests", "4"]) == 0
@@ -117,13 +120,20 @@ def test_answers_are_the_greedy_continuations_and_a_rerun_resumes(setup):
     assert lines[:3] == first and len(lines) == 4
     chat = ChatTemplate(TEMPLATE, eos_token="<|im_end|>")
     eot = tok.token_to_id("<|im_end|>")
-    for line, request in zip(lines, requests(src, 4, seed=0)):
-        row = json.loads(line)
-        prompt = chat.render([{"role": "user", "content": request}])
-        (ids,), _ = generate(model, [tok.encode(prompt).ids], 12, decoder="greedy", eot_id=eot)
+    rows = [json.loads(line) for line in lines]
+    assert sorted(r["request"] for r in rows) == sorted(requests(src, 4, seed=0))
+    prompts = {}
+    for row in rows:
+        prompt = chat.render([{"role": "user", "content": row["request"]}])
+        prompts[row["request"]] = tok.encode(prompt).ids
+        (ids,), _ = generate(model, [prompts[row["request"]]], 12, decoder="greedy", eot_id=eot)
         finished = ids[-1] == eot
         answer = tok.decode(ids[:-1] if finished else ids, skip_special_tokens=False)
-        assert row == {"text": prompt + answer, "request": request, "finished": finished}
+        assert row == {"text": prompt + answer, "request": row["request"], "finished": finished}
+    lengths = [len(prompts[r["request"]]) for r in rows[:3]]
+    assert lengths == sorted(lengths) and len(set(lengths)) > 1  # the first run's, shortest first
+    assert main([*args, "--requests", "4"]) == 0  # nothing left to answer
+    assert out.read_text().splitlines() == lines
 
 
 def test_a_model_without_a_chat_template_is_refused(setup, capsys):
@@ -247,7 +257,8 @@ def test_an_out_that_cannot_be_written_is_named_and_keeps_its_lines(setup, monke
     assert main([*base, "--out", str(out), "--requests", "4"]) == 0
     lines = out.read_text().splitlines()
     assert len(lines) == 4 and "\n".join(lines[:2]) + "\n" == before
-    assert [json.loads(line)["request"] for line in lines] == requests(src, 4, seed=0)
+    assert sorted(json.loads(line)["request"] for line in lines) == \
+        sorted(requests(src, 4, seed=0))
 
 
 def test_mbpp_train_style_asks_the_training_split_in_the_chat_wording(setup, capsys):
