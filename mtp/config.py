@@ -40,6 +40,23 @@ def _raise_if(problems: list[str]) -> None:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
 
 
+def feature_layers_problems(cfg: ModelConfig, depth_known: bool) -> list[str]:
+    """What is wrong with `--model.feature_layers`; against the trunk's depth only where it is
+    known (with `init_from`, once the pretrained shape has replaced the flags')."""
+    layers = list(cfg.feature_layers)
+    if not layers:
+        return []
+    if cfg.head_type != "eagle":
+        return [f"--model.feature_layers feed eagle heads' draft layer; --model.head_type "
+                f"{cfg.head_type} reads the trunk's last output alone"]
+    if layers != sorted(set(layers)) or layers[0] < 1:
+        return [f"--model.feature_layers must be increasing block numbers >= 1 (got {layers})"]
+    if depth_known and layers[-1] >= cfg.n_trunk_layers:
+        return [f"--model.feature_layers must be below the trunk's last block, "
+                f"{cfg.n_trunk_layers} (got {layers})"]
+    return []
+
+
 @dataclass
 class ModelConfig:
     """Shape of the multi-token-prediction transformer."""
@@ -85,6 +102,11 @@ class ModelConfig:
     eot_token: str = "<|endoftext|>"
     """The tokenizer's end-of-text token: it separates documents in the token stream and ends
     generation. With `init_from`, the pretrained tokenizer's ``eos_token`` unless set."""
+    feature_layers: list[int] = field(default_factory=list)
+    """`eagle` heads: trunk blocks (numbered from 1) whose outputs join the trunk's last output as
+    the draft layer's first input, through a learned (n + 1) d x d map that starts as the last
+    output alone (EAGLE-3's low, middle and high features; e.g. [2, 15] of 30 blocks). Empty: the
+    last output alone, as EAGLE-1 and -2 read it."""
     draft_vocab: int = 0
     """Heads 2..K predict over this many tokens only, the most frequent of the training data (set
     before the first step; EAGLE-3's draft vocabulary): drafting and their loss then cost
@@ -153,6 +175,7 @@ class ModelConfig:
                      f"{self.vocab_size}] (got {self.draft_vocab})")
         elif self.draft_vocab and self.n_future < 2:
             p.append("--model.draft_vocab applies to heads 2..K, but --model.n_future is 1")
+        p += feature_layers_problems(self, depth_known=self.init_from is None)
         if self.ffn_hidden is not None and self.ffn_hidden < 1:
             p.append(f"--model.ffn_hidden must be >= 1 (got {self.ffn_hidden})")
         _raise_if(p)

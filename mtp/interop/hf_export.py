@@ -4,14 +4,15 @@ DIR holds, in transformers' `save_pretrained` layout:
 
 * ``config.json`` and ``model.safetensors``: a `LlamaForCausalLM` of ``n_trunk_layers + 1``
   layers, the trunk blocks then head 1's block, with the shared final norm and unembedding, so
-  its logits are head 1's (`medusa1` heads: of ``n_trunk_layers`` layers, head 1 being the
-  trunk's own output; its final normalised hidden state is then what heads 2..K read, as
-  vLLM's Medusa drafter reads the target's, `mtp.interop.vllm_medusa`). The conversion is exact
-  (`mtp.model.llama_layout`).
+  its logits are head 1's (`medusa1`, `deepseek` and `eagle` heads: of ``n_trunk_layers``
+  layers, head 1 being the trunk's own output; for `medusa1` its final normalised hidden state
+  is then what heads 2..K read, as vLLM's Medusa drafter reads the target's,
+  `mtp.interop.vllm_medusa`). The conversion is exact (`mtp.model.llama_layout`).
 * ``tokenizer.json``, ``tokenizer_config.json`` (a fast tokenizer whose ``eos_token`` is the
   model's end-of-text token, `ModelConfig.eot_token`) and ``generation_config.json``.
 * ``mtp_config.json`` (the model config, and a sha256 of every tensor of each weight file) and
-  ``mtp_heads.safetensors`` (heads 2..K, in mtp's own names): nothing of the model is lost, and
+  ``mtp_heads.safetensors`` (heads 2..K, in mtp's own names; a module that several heads
+  share, eagle's layer, once, under its first head's name): nothing of the model is lost, and
   `mtp.model.checkpoint.load_export` rebuilds it whole, or names the tensors that changed since.
 
 transformers is not needed to write or read such a directory (only safetensors); it is the
@@ -32,6 +33,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from mtp.model.checkpoint import FORMAT_VERSION, MTP_CONFIG, MTP_HEADS
+from mtp.model.heads import head_aliases
 from mtp.model.llama_layout import llama_config, llama_state
 from mtp.model.transformer import MTPTransformer
 from mtp.util.atomic import fsync_file, rename, writing
@@ -61,8 +63,9 @@ def export(model: MTPTransformer, tokenizer: Tokenizer, output: str | os.PathLik
     cfg = model.cfg
     check_vocab(tokenizer, cfg, source="the checkpoint")
     state = llama_state(model)
+    aliases = head_aliases(model.heads)  # eagle's one layer is written once, as heads.1
     heads = {f"heads.{i}.{name}": t.detach().contiguous()
-             for i, head in enumerate(model.heads) if i > 0
+             for i, head in enumerate(model.heads) if i > 0 and i not in aliases
              for name, t in head.state_dict().items()}
     if cfg.draft_vocab:
         heads["draft_ids"] = model.draft_ids.detach().contiguous()

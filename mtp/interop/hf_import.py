@@ -17,13 +17,13 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from mtp.config import ModelConfig
+from mtp.config import ModelConfig, feature_layers_problems
 from mtp.model import gguf
 from mtp.model.llama_layout import layer_from_llama
 from mtp.model.memory import check_memory, inference_need
 from mtp.model.transformer import MTPTransformer
 from mtp.util.environment import available_memory
-from mtp.util.errors import ExportError
+from mtp.util.errors import ConfigError, ExportError
 from mtp.util.paths import not_a_file
 
 __all__ = ["init_from_pretrained", "pretrained_chat_template", "pretrained_config",
@@ -46,17 +46,21 @@ def pretrained_config(path: str | os.PathLike, cfg: ModelConfig) -> ModelConfig:
             output-projection biases, a sliding window shorter than the context, a head width
             other than width / heads), lacks a key, describes a model larger than the memory
             available, or holds no weights mtp reads; the message names it.
+        ConfigError: `cfg.feature_layers` reach the pretrained trunk's last block or past it.
     """
     path = resolve_pretrained(path)
     hf = _pretrained_hf_config(path)
     try:
-        return _pretrained_config(path, hf, cfg)
+        out = _pretrained_config(path, hf, cfg)
     except (KeyError, TypeError, ValueError) as err:  # a key missing, a value of another type
         if isinstance(err, ExportError):
             raise
         source = path if gguf.is_gguf(path) else path / "config.json"
         raise ExportError(f"--model.init_from {source} does not describe a model mtp can "
                           f"build ({type(err).__name__}: {err})") from None
+    if problems := feature_layers_problems(out, depth_known=True):  # now the depth is known
+        raise ConfigError(f"{problems[0]} (--model.init_from {path})")
+    return out
 
 
 def _pretrained_config(path: Path, hf: dict, cfg: ModelConfig) -> ModelConfig:

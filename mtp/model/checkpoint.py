@@ -24,6 +24,7 @@ import torch
 from tokenizers import Tokenizer
 
 from mtp.config import RENAMED_MODEL_FIELDS, ModelConfig, current_model_fields
+from mtp.model.heads import head_aliases
 from mtp.model.llama_layout import check_llama_layout, layer_from_llama, llama_layers
 from mtp.model.memory import check_memory, inference_need
 from mtp.model.transformer import MTPTransformer
@@ -223,6 +224,9 @@ def load_export(path: str | os.PathLike) -> tuple[MTPTransformer, Tokenizer]:
         state.update({f"{into}.{k}": v for k, v in layer.items()})
     state.update(heads)
     model = MTPTransformer(cfg)
+    for i, first in head_aliases(model.heads).items():  # written once, under the first head
+        state.update({f"heads.{i}.{k[len(f'heads.{first}.'):]}": v for k, v in heads.items()
+                      if k.startswith(f"heads.{first}.")})
     try:
         missing, unexpected = model.load_state_dict(state, strict=False)
     except RuntimeError as err:  # a tensor of another shape than the config gives

@@ -46,7 +46,8 @@ from mtp.model.layers import Block, RMSNorm
 
 __all__ = [
     "CASCADED", "DeepSeekModule", "HEAD_TYPES", "LinearHead", "MainOutput", "MedusaHead",
-    "PRE_NORM", "UNROLLED", "EagleLayer", "build_heads", "head_cache_layers", "shift_rope",
+    "PRE_NORM", "UNROLLED", "EagleLayer", "build_heads", "head_aliases", "head_cache_layers",
+    "shift_rope",
 ]
 
 #: Head types whose head i reads head i - 1's output and the token it predicts.
@@ -88,11 +89,16 @@ class MedusaHead(nn.Module):
 
 
 class MainOutput(nn.Module):
-    """Head 1 of the `deepseek` and `medusa1` types: the trunk output as it is (the main model's
-    last block is the trunk's own)."""
+    """Head 1 of the `medusa1`, `deepseek` and `eagle` types: the trunk output as it is (the main
+    model's last block is the trunk's own); of a trunk output with `--model.feature_layers`, the
+    last block's part."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.d = cfg.d_model
 
     def forward(self, x, cos, sin, kv=None, slots=None, mask=None) -> torch.Tensor:
-        return x
+        return x[..., -self.d:]
 
 
 class DeepSeekModule(nn.Module):
@@ -112,7 +118,33 @@ class DeepSeekModule(nn.Module):
 
 class EagleLayer(DeepSeekModule):
     """EAGLE's draft layer, DeepSeek's module in form, called once per step of the chain: a
-    cached call is one step of drafting, `unrolled` every position's step at once in training."""
+    cached call is one step of drafting, `unrolled` every position's step at once in training.
+
+    The first step reads the trunk output; with `--model.feature_layers` that is several blocks'
+    outputs side by side, which `fuse` maps to one feature of width d (EAGLE-3), starting as the
+    last block's output alone. Later steps read the step before's output.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg)
+        n = len(cfg.feature_layers)
+        self.fuse = nn.Linear((n + 1) * cfg.d_model, cfg.d_model, bias=False) if n else None
+
+    def reset_parameters(self) -> None:
+        """`fuse` as the map to the last block's part: at first the layer reads what it reads
+        without `--model.feature_layers`."""
+        if self.fuse is not None:
+            d = self.fuse.out_features
+            with torch.no_grad():
+                self.fuse.weight.zero_()[:, -d:] = torch.eye(d)
+
+    def feature(self, x: torch.Tensor) -> torch.Tensor:
+        """The feature (..., d) a step reads of x: the trunk output fused (the first step), or
+        the step before's output as it is."""
+        return x if self.fuse is None or x.shape[-1] == self.fuse.out_features else self.fuse(x)
+
+    def forward(self, x, emb, cos, sin, kv=None, slots=None, mask=None) -> torch.Tensor:
+        return super().forward(self.feature(x), emb, cos, sin, kv, slots, mask)
 
     def unrolled(self, x: torch.Tensor, emb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  past: list[tuple[torch.Tensor, torch.Tensor]]):
@@ -125,6 +157,7 @@ class EagleLayer(DeepSeekModule):
         chain from t sees when decoding.
         """
         b = self.block
+        x = self.feature(x)
         u = self.proj(torch.cat([self.hidden_norm(x), self.embed_norm(emb)], dim=-1))
         q, k, v = b.attn.project(b.attn_norm(u), cos, sin)
         if past:
@@ -156,7 +189,7 @@ def _head(cfg: ModelConfig, i: int) -> nn.Module:
     if cfg.head_type == "medusa":
         return MedusaHead(cfg)
     if i == 0:
-        return MainOutput()
+        return MainOutput(cfg)
     return MedusaHead(cfg, bias=True) if cfg.head_type == "medusa1" else DeepSeekModule(cfg)
 
 
@@ -164,8 +197,15 @@ def build_heads(cfg: ModelConfig) -> nn.ModuleList:
     """The K heads of `cfg.head_type`; for `eagle`, heads 2..K are one module."""
     if cfg.head_type in UNROLLED:
         layer = EagleLayer(cfg)
-        return nn.ModuleList([MainOutput(), *[layer] * (cfg.n_future - 1)])
+        return nn.ModuleList([MainOutput(cfg), *[layer] * (cfg.n_future - 1)])
     return nn.ModuleList(_head(cfg, i) for i in range(cfg.n_future))
+
+
+def head_aliases(heads: nn.ModuleList) -> dict[int, int]:
+    """Each head that is an earlier head's module (eagle's heads 3..K), to that head's index:
+    what a writer of the weights stores once and a reader restores to every head."""
+    first: dict[int, int] = {}
+    return {i: first[id(h)] for i, h in enumerate(heads) if first.setdefault(id(h), i) != i}
 
 
 def head_cache_layers(cfg: ModelConfig) -> list[int | None]:

@@ -17,8 +17,12 @@ from mtp.config import ModelConfig
 from mtp.model.transformer import MTPTransformer
 from mtp.util.errors import ExportError
 
-__all__ = ["check_llama_layout", "layer_from_llama", "llama_config", "llama_layers",
-           "llama_state"]
+__all__ = ["TRUNK_HEAD_1", "check_llama_layout", "layer_from_llama", "llama_config",
+           "llama_layers", "llama_state"]
+
+#: Head types whose head 1 is the trunk's own output (`mtp.model.heads.MainOutput`): the Llama
+#: holds the trunk's layers alone.
+TRUNK_HEAD_1 = ("medusa1", "deepseek", "eagle")
 
 
 def _rope_order(attn_head_dim: int) -> torch.Tensor:
@@ -34,15 +38,17 @@ def _from_llama_rows(w: torch.Tensor, n_attn_heads: int, attn_head_dim: int) -> 
     return w.view(n_attn_heads, attn_head_dim, -1)[:, inverse].reshape(w.shape)
 
 def check_llama_layout(cfg: ModelConfig) -> None:
-    if cfg.head_type not in ("block", "medusa1"):
+    """Refuse a model whose head 1 the Llama layout cannot hold: a block of its own (`block`)
+    or the trunk's own output after the final norm (`TRUNK_HEAD_1`) are the two it can."""
+    if cfg.head_type != "block" and cfg.head_type not in TRUNK_HEAD_1:
         raise ExportError(
             f"--model.head_type {cfg.head_type}: the export writes head 1 as the "
-            f"LlamaForCausalLM's last layer (or, for medusa1 heads, as the trunk's own output "
-            f"after the final norm), which only block and medusa1 heads are")
+            f"LlamaForCausalLM's last layer (block heads) or as the trunk's own output after the "
+            f"final norm ({', '.join(TRUNK_HEAD_1)}), and {cfg.head_type}'s head 1 is neither")
 
 def llama_layers(cfg: ModelConfig) -> int:
     """Layers of the exported `LlamaForCausalLM`: the trunk's, and head 1's block if it has
-    one (`block` heads; `medusa1`'s head 1 is the trunk output itself)."""
+    one (`block` heads; for `TRUNK_HEAD_1`'s head types head 1 is the trunk output itself)."""
     return cfg.n_trunk_layers + (cfg.head_type == "block")
 
 def llama_config(cfg: ModelConfig, tokenizer: Tokenizer, dtype: torch.dtype) -> dict:

@@ -65,8 +65,9 @@ def _head_params(cfg: ModelConfig, *, first: bool = True) -> int:
                    "medusa": (d * d, True), "medusa1": (d * d + d, False),
                    "deepseek": (2 * d + 2 * d * d + _block(cfg), False),
                    "eagle": (2 * d + 2 * d * d + _block(cfg), False)}[cfg.head_type]
-    if cfg.head_type == "eagle":  # heads 2..K are one layer
-        return each * (k > 1)
+    if cfg.head_type == "eagle":  # heads 2..K are one layer, with its fusing map
+        n = len(cfg.feature_layers)
+        return (each + (n + 1) * d * d * (n > 0)) * (k > 1)
     return each * (k - 1 + (first and head1))
 
 

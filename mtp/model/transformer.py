@@ -20,9 +20,10 @@ from typing import TypeVar
 import torch
 from torch import nn
 
-from mtp.config import ModelConfig
+from mtp.config import ModelConfig, feature_layers_problems
 from mtp.model.heads import CASCADED, PRE_NORM, UNROLLED, build_heads, head_cache_layers, shift_rope
 from mtp.model.layers import Attention, Block, RMSNorm, rope_tables
+from mtp.util.errors import ConfigError
 
 T_out = TypeVar("T_out")
 #: The rotary tables (cos, sin), each (B, 1, T, hd / 2), that `trunk` returns beside h.
@@ -103,6 +104,8 @@ class MTPTransformer(nn.Module):
         self.unrolled = cfg.head_type in UNROLLED  # heads 2..K: one layer, unrolled
         self.pre_norm = cfg.head_type in PRE_NORM  # the shared norm before the heads, not after
         self.head_layers = head_cache_layers(cfg)
+        if problems := feature_layers_problems(cfg, depth_known=True):
+            raise ConfigError(problems[0])
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.unembed = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         cos, sin = rope_tables(cfg)
@@ -167,7 +170,8 @@ class MTPTransformer(nn.Module):
 
         Returns:
             The trunk output h (B, T, d) and the rotary tables to pass on to `head_output` or
-            `head_states`.
+            `head_states`. With `--model.feature_layers` h is (B, T, (n + 1) d): the listed
+            blocks' outputs, then the last's, which alone head 1 reads (`MainOutput`).
         """
         if cache is not None and (slots is None or mask is None):
             raise ValueError("decoding with a KV cache needs both `slots` and `mask`")
@@ -175,9 +179,12 @@ class MTPTransformer(nn.Module):
             positions = torch.arange(idx.shape[1], device=idx.device).expand(idx.shape[0], -1)
         rope = self.rotary(positions)
         x = self.embed(idx)  # (B, T, d)
+        features = []
         for i, block in enumerate(self.blocks):
             x = block(x, *rope, self._layer_kv(cache, i), slots, mask)
-        return x, rope
+            if i + 1 in self.cfg.feature_layers:
+                features.append(x)
+        return (torch.cat([*features, x], dim=-1) if features else x), rope
 
     def head_output(
         self,
@@ -276,7 +283,9 @@ class MTPTransformer(nn.Module):
                 if cache is not None:
                     raise ValueError("eagle heads draft through mtp.decoding.eagle")
                 rope_i = shift_rope(*rope, self.rope_cos, self.rope_sin, i - 1)
-                out, kv = self.heads[i].unrolled(x, self.embed(tokens[i - 1].clamp(min=0)),
+                # step 1 reads the trunk output whole (its feature layers too), not head 1's part
+                out, kv = self.heads[i].unrolled(h if i == 1 else x,
+                                                 self.embed(tokens[i - 1].clamp(min=0)),
                                                  *rope_i, past)
                 past.append(kv)
             else:
@@ -331,6 +340,11 @@ class MTPTransformer(nn.Module):
         return torch.stack([self.unembed(z) if i == 0 else self.draft_logits(z)
                             for i, z in enumerate(states)])  # (heads, B, T, V)
 
+    @property
+    def trunk_width(self) -> int:
+        """Channels of the trunk output: d, or (n + 1) d with n `--model.feature_layers`."""
+        return self.cfg.d_model * (1 + len(self.cfg.feature_layers))
+
     def num_params(self, *, embedding: bool = True) -> int:
         """Parameter count (shared tensors counted once); optionally without the input embedding."""
         n = sum(p.numel() for p in self.parameters())
@@ -355,6 +369,8 @@ class MTPTransformer(nn.Module):
         # a head's matrices count each time it runs (eagle's one layer once per step)
         matrices = sum(p.numel() for part in (self.blocks, *self.heads)
                        for p in part.parameters() if p.dim() > 1)
+        if self.unrolled and self.cfg.feature_layers:  # the fusing map runs in step 1 alone
+            matrices -= (self.cfg.n_future - 2) * self.heads[1].fuse.weight.numel()
         V, d = self.unembed.weight.shape
         unembed = d * (V + (self.cfg.n_future - 1) * (self.cfg.draft_vocab or V))
         n_attn = sum(isinstance(m, Attention) for part in (self.blocks, *self.heads)

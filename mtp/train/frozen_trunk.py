@@ -114,7 +114,9 @@ def store_folder(root: str | os.PathLike, model: MTPTransformer, targets: str, T
     targets or another length never reads them."""
     frozen = {name: p for name, p in model.state_dict().items()
               if not (name.startswith("heads.") and not name.startswith("heads.0."))}
-    h = hashlib.sha256(f"v1 {targets} T={T} K={model.cfg.n_future}".encode())
+    layers = model.cfg.feature_layers
+    h = hashlib.sha256((f"v1 {targets} T={T} K={model.cfg.n_future}"
+                        + (f" features={layers}" if layers else "")).encode())
     for name, digest in sorted(tensor_digests(frozen).items()):
         h.update(f"{name} {digest}".encode())
     return Path(root) / h.hexdigest()[:24]
@@ -158,7 +160,7 @@ class FrozenTrunk:
         if self.folder is not None and isinstance(self.store, MemoryStore):
             T = window.shape[1] - self.model.cfg.n_future
             self.store = DiskStore(store_folder(self.folder, self.model, self.targets, T), T,
-                                   self.model.cfg.d_model, self.model.cfg.n_future)
+                                   self.model.trunk_width, self.model.cfg.n_future)
         keys = [row.numpy().tobytes() for row in window.cpu()]
         got = [self.store.get(key) for key in keys]
         missing = [b for b, g in enumerate(got) if g is None]

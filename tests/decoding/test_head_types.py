@@ -179,3 +179,39 @@ def test_cascaded_chain_drafts_are_the_teacher_forced_chain(cascaded_trained, mo
         out, _ = generate(model, prompts, 24, decoder="self-spec")
         assert out == ref
     assert checked > 100
+
+
+def test_eagle_with_feature_layers_drafts_its_teacher_forced_chain(monkeypatch):
+    """`--model.feature_layers`: drafting feeds the first step the fused blocks' outputs as the
+    plain forward does, so each chain draft is the teacher-forced argmax given the drafts
+    before it; every decoder's output equals greedy's."""
+    from mtp.decoding.tree import DynamicTree
+
+    model = random_model(head_type="eagle", feature_layers=[1])
+    with torch.no_grad():  # away from its start (the last block's output alone)
+        model.heads[1].fuse.weight.normal_(0, 0.3)
+    prompts = random_prompts(6, model.cfg.vocab_size, seed=9) + [[3]]
+    checked = 0
+    propose = eagle.EagleHeads.propose
+
+    def checking(self, ctx, pending, n):
+        nonlocal checked
+        prop = propose(self, ctx, pending, n)
+        for b, r in enumerate(ctx.rows):
+            seq = list(prompts[r]) + ctx.stopper.out[r]
+            drafts = prop.tokens[b, 1:].tolist()
+            for i, d in enumerate(drafts, start=1):
+                ref = _teacher_forced(model, seq + drafts[: i - 1], i)
+                assert ref[d] >= ref.max() - 1e-4
+                checked += 1
+        return prop
+
+    ref, _ = generate(model, prompts, 16)
+    with monkeypatch.context() as m:
+        m.setattr(eagle.EagleHeads, "propose", checking)
+        assert generate(model, prompts, 16, decoder="self-spec")[0] == ref
+    assert checked > 50
+    for kwargs in ({"decoder": "tree", "tree": Tree.from_widths([2, 2, 1])},
+                   {"decoder": "tree", "tree": DynamicTree(max_nodes=8, top=3)},
+                   {"decoder": "self-spec", "lookup": 4}):
+        assert generate(model, prompts, 16, **kwargs)[0] == ref, kwargs

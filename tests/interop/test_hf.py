@@ -121,9 +121,40 @@ def test_medusa1_head_1_is_the_trunk_and_heads_2_to_k_read_back(tmp_path, tokeni
         assert torch.equal(back.state_dict()[name], w), name
 
 
+@pytest.mark.parametrize("head_type", ["deepseek", "eagle"])
+def test_chained_heads_export_the_trunk_as_head_1_and_read_back_whole(tmp_path, tokenizer,
+                                                                     head_type):
+    """DeepSeek's modules and eagle's layer leave head 1 the trunk's own output: the Llama holds
+    the trunk's layers alone and its logits are head 1's; eagle's one layer is written once and
+    every head reads it back; every parameter reads back bit for bit."""
+    from safetensors.torch import load_file
+
+    model = _model(4, head_type=head_type)
+    out = export(model, tokenizer, tmp_path / "hf")
+    config = json.loads((out / "config.json").read_text())
+    assert config["num_hidden_layers"] == model.cfg.n_trunk_layers == 3  # head 1's block too
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.randint(0, 320, (3, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(ids, heads=1)[0]
+        torch.testing.assert_close(want, model.unembed(model.norm(model.trunk(ids)[0])))
+        logits = hf(ids).logits
+    assert (logits - want).norm() / want.norm() <= 1e-5
+    written = {k.split(".")[1] for k in load_file(out / "mtp_heads.safetensors") if
+               k.startswith("heads.")}
+    assert written == ({"1"} if head_type == "eagle" else {"1", "2", "3"})
+    back, _ = load_checkpoint(out)
+    assert back.cfg == model.cfg
+    assert (back.heads[1] is back.heads[3]) == (head_type == "eagle")
+    for name, w in model.state_dict().items():
+        assert torch.equal(back.state_dict()[name], w), name
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids), model(ids), rtol=0, atol=0)
+
+
 def test_bad_exports_are_refused_and_nothing_is_overwritten(tmp_path, tokenizer):
-    for head_type in ("linear", "medusa", "deepseek"):
-        with pytest.raises(ExportError, match=f"--model.head_type {head_type}: .* only block"):
+    for head_type in ("linear", "medusa"):
+        with pytest.raises(ExportError, match=f"--model.head_type {head_type}: .* neither"):
             export(_model(head_type=head_type), tokenizer, tmp_path / head_type)
         assert not (tmp_path / head_type).exists()
     taken = tmp_path / "taken"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -21,7 +22,7 @@ from mtp.model.checkpoint import load_checkpoint
 from mtp.model.transformer import MTPTransformer
 from mtp.train.loss import mtp_loss
 from mtp.train.targets import mtp_inputs_targets
-from mtp.util.errors import ExportError
+from mtp.util.errors import ConfigError, ExportError
 
 LLAMA3_EOS = "<|end_of_text|>"
 TEXTS = ["def add(a, b):\n    return a + b\n", "for i in range(10):\n    print(i)\n"] * 20
@@ -113,6 +114,28 @@ def test_every_head_type_starts_from_the_pretrained_model(tmp_path, tokenizer, h
         with pytest.raises(ExportError, match="matched_params"):
             pretrained_config(path, ModelConfig(n_future=3, head_type=head_type,
                                                 matched_params=True))
+
+
+def test_eagle_feature_layers_start_from_the_pretrained_model_as_without_them(tmp_path,
+                                                                            tokenizer):
+    """`--model.feature_layers` with `init_from`: checked against the pretrained depth; the
+    fusing map starts as the last layer's output alone, so every head computes what it computes
+    without the feature layers."""
+    path = _pretrained(tmp_path, tokenizer)
+    base = ModelConfig(n_future=3, max_seq_len=64, head_type="eagle")
+    with pytest.raises(ConfigError, match=r"below the trunk's last block, 3 \(got \[3\]\)"):
+        pretrained_config(path, dataclasses.replace(base, feature_layers=[3]))
+    models = []
+    for layers in ([1], []):
+        model = MTPTransformer(pretrained_config(path, dataclasses.replace(
+            base, feature_layers=layers)))
+        init_from_pretrained(model)
+        models.append(model.eval())
+    # the layer's own projection is drawn at random: the same in both
+    models[1].load_state_dict({k: v for k, v in models[0].state_dict().items()
+                               if ".fuse." not in k})
+    with torch.no_grad():
+        torch.testing.assert_close(models[0](_ids()), models[1](_ids()), rtol=0, atol=0)
 
 
 def test_qwen2_model_exports_and_reads_back(tmp_path, tokenizer):

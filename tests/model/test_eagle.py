@@ -3,6 +3,10 @@ reference: the layer run one draft at a time through the KV cache, as decoding r
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -10,15 +14,20 @@ from mtp.config import ModelConfig
 from mtp.model.transformer import KVCache, MTPTransformer
 from mtp.train.loss import naive_mtp_loss
 from mtp.train.targets import IGNORE_INDEX, mtp_inputs_targets
+from mtp.util.errors import ConfigError
 
 K, T, B = 4, 12, 2
 
 
-def _model() -> MTPTransformer:
+def _model(feature_layers: list[int] | None = None) -> MTPTransformer:
     torch.manual_seed(0)
     cfg = ModelConfig.from_name("debug", n_future=K, head_type="eagle", max_seq_len=64,
-                                init_std=0.2)
-    return MTPTransformer(cfg).double().eval()
+                                init_std=0.2, feature_layers=feature_layers or [])
+    model = MTPTransformer(cfg).double().eval()
+    if feature_layers:  # away from its start (the last block's part), so every part counts
+        with torch.no_grad():
+            model.heads[1].fuse.weight.normal_(0, 0.2)
+    return model
 
 
 def _step_by_step(model: MTPTransformer, h, targets, b: int, q: int) -> list[torch.Tensor]:
@@ -43,8 +52,9 @@ def _step_by_step(model: MTPTransformer, h, targets, b: int, q: int) -> list[tor
     return states
 
 
-def test_the_unrolled_steps_and_loss_equal_the_step_by_step_reference():
-    model = _model()
+@pytest.mark.parametrize("feature_layers", [[], [1]], ids=["last", "features"])
+def test_the_unrolled_steps_and_loss_equal_the_step_by_step_reference(feature_layers):
+    model = _model(feature_layers)
     window = torch.randint(0, model.cfg.vocab_size, (B, T + K))
     inputs, targets = mtp_inputs_targets(window, K)
     targets = targets.clone()
@@ -82,3 +92,40 @@ def test_heads_2_to_k_are_one_layer_that_every_step_trains_and_a_state_dict_keep
     assert fresh.heads[1] is fresh.heads[3]
     with torch.no_grad():
         torch.testing.assert_close(fresh(inputs), model(inputs), rtol=0, atol=0)
+
+
+def test_feature_layers_join_the_last_output_and_start_as_it_alone():
+    """`--model.feature_layers`: the trunk output is the listed blocks' outputs beside the
+    last's (run block by block here); head 1 reads the last alone; at initialisation the model
+    computes what the same weights compute without them."""
+    model = _model([1])
+    torch.manual_seed(1)
+    MTPTransformer.reset_parameters(model)  # fuse back at its start
+    idx = torch.randint(0, model.cfg.vocab_size, (B, T))
+    with torch.no_grad():
+        h, rope = model.trunk(idx)
+        x, outs = model.embed(idx), []
+        for block in model.blocks:
+            x = block(x, *rope)
+            outs.append(x)
+        torch.testing.assert_close(h, torch.cat([outs[0], outs[-1]], -1), rtol=0, atol=0)
+        plain = MTPTransformer(dataclasses.replace(model.cfg, feature_layers=[]))
+        plain = plain.double().eval()
+        plain.load_state_dict({k: v for k, v in model.state_dict().items()
+                               if ".fuse." not in k})
+        inputs, _ = mtp_inputs_targets(torch.randint(0, model.cfg.vocab_size, (B, T + K)), K)
+        torch.testing.assert_close(model(inputs), plain(inputs), rtol=1e-12, atol=1e-12)
+    assert model.trunk_width == 2 * model.cfg.d_model
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"head_type": "deepseek"}, "--model.feature_layers feed eagle heads' draft layer; "
+                                "--model.head_type deepseek"),
+    ({"feature_layers": [2, 1]}, "must be increasing block numbers >= 1 (got [2, 1])"),
+    ({"feature_layers": [0]}, "must be increasing block numbers >= 1 (got [0])"),
+    ({"feature_layers": [3]}, "must be below the trunk's last block, 3 (got [3])"),
+])
+def test_bad_feature_layers_are_refused_naming_the_flag(change, message):
+    kwargs = {"n_future": K, "head_type": "eagle", "feature_layers": [1]} | change
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        ModelConfig.from_name("debug", **kwargs)

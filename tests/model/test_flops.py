@@ -59,6 +59,8 @@ CASES = [
     pytest.param(3, "linear", dict(draft_vocab=128), id="K3-linear-draft"),
     # trunk blocks moved into the cascaded heads
     pytest.param(2, "deepseek", dict(n_layers=3, matched_params=True), id="K2-deepseek-matched"),
+    # eagle's first step fusing two blocks' outputs with the last's (its map runs once)
+    pytest.param(4, "eagle", dict(n_layers=3, feature_layers=[1, 2]), id="K4-eagle-features"),
 ]
 
 

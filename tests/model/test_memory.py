@@ -33,6 +33,12 @@ def test_the_parameter_count_is_the_built_models(head_type, tie, bias, kv_heads,
     assert memory.parameter_count(cfg) == MTPTransformer(cfg).num_params()
 
 
+def test_the_parameter_count_holds_eagles_fusing_map():
+    cfg = ModelConfig(vocab_size=300, d_model=32, n_layers=4, n_attn_heads=2, n_future=3,
+                      head_type="eagle", feature_layers=[1, 3], max_seq_len=40)
+    assert memory.parameter_count(cfg) == MTPTransformer(cfg).num_params()
+
+
 def test_the_training_estimate_counts_weights_gradients_adamw_and_a_step():
     cfg = ModelConfig()
     need = memory.training_need(cfg, batch_size=16, seq_len=128)

@@ -16,9 +16,16 @@ from mtp.train.targets import IGNORE_INDEX, mtp_inputs_targets, self_targets
 
 
 def _frozen_model(head_type: str, **kw) -> MTPTransformer:
+    """A model whose heads 2..K alone train; `eagle-features` is eagle with
+    `--model.feature_layers [1]`, its fusing map away from its start."""
     torch.manual_seed(0)
+    if head_type == "eagle-features":
+        head_type, kw = "eagle", {**kw, "feature_layers": [1]}
     model = MTPTransformer(ModelConfig(vocab_size=97, d_model=32, n_layers=2, n_attn_heads=2,
                                        n_future=3, max_seq_len=64, head_type=head_type, **kw))
+    if model.cfg.feature_layers:
+        with torch.no_grad():
+            model.heads[1].fuse.weight.normal_(0, 0.2)
     new = {id(p) for head in model.heads[1:] for p in head.parameters()}
     for p in model.parameters():
         p.requires_grad_(id(p) in new)
@@ -31,7 +38,8 @@ def _head_grads(model, loss) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-@pytest.mark.parametrize("head_type", ["block", "medusa", "medusa1", "deepseek", "eagle"])
+@pytest.mark.parametrize("head_type", ["block", "medusa", "medusa1", "deepseek", "eagle",
+                                       "eagle-features"])
 @pytest.mark.parametrize("targets", ["data", "self", "greedy"])
 @pytest.mark.parametrize("draft_vocab", [0, 40])
 def test_the_frozen_trunk_path_equals_the_sequential_path(head_type, targets, draft_vocab):
@@ -42,7 +50,7 @@ def test_the_frozen_trunk_path_equals_the_sequential_path(head_type, targets, dr
         model, window, on_greedy_path=targets == "greedy")
     weights = [0.0, 1.0, 0.5]
     # eagle's unrolled steps train by the naive path (the sequential one refuses them)
-    reference = naive_mtp_loss if head_type == "eagle" else functools.partial(
+    reference = naive_mtp_loss if head_type.startswith("eagle") else functools.partial(
         sequential_mtp_loss, with_accuracy=True)
     want = reference(model, inputs, want_targets, weights)
     want_grads = _head_grads(model, want.loss)
@@ -109,11 +117,13 @@ def test_greedy_targets_are_the_greedy_continuation_where_the_data_follow_it():
     assert on > 10 and off > 3  # both cases occur
 
 
-def test_features_kept_on_disk_equal_recomputed_ones(tmp_path, monkeypatch):
+@pytest.mark.parametrize("head_type", ["block", "eagle-features"])
+def test_features_kept_on_disk_equal_recomputed_ones(tmp_path, monkeypatch, head_type):
     """`--optim.trunk_cache_dir`: a later run of the same frozen model reads every window back
-    from disk without running the trunk, and what it reads is the trunk's output rounded to
-    half precision, the targets exactly."""
-    model = _frozen_model("block")
+    from disk without running the trunk, and what it reads is the trunk's output (with
+    `--model.feature_layers`, every listed block's) rounded to half precision, the targets
+    exactly."""
+    model = _frozen_model(head_type)
     windows = torch.randint(0, 97, (5, 16 + 3))
     first = FrozenTrunk(model, targets="greedy", max_bytes=0, folder=tmp_path)
     h1, _, t1 = first(windows)
@@ -126,6 +136,7 @@ def test_features_kept_on_disk_equal_recomputed_ones(tmp_path, monkeypatch):
     assert torch.equal(h2, fresh_h[[4, 0, 2]].half().float())
     assert torch.equal(t2, fresh_t[:, [4, 0, 2]])
     assert torch.equal(h2, h1[[4, 0, 2]])  # the first run trained on the same rounded features
+    assert h2.shape[-1] == model.trunk_width
 
 
 def test_the_disk_store_is_per_model_and_survives_a_torn_row(tmp_path):
