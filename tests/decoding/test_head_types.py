@@ -156,12 +156,23 @@ def test_cascaded_chain_drafts_are_the_teacher_forced_chain(cascaded_trained, mo
     """A chain's drafts d1, d2, ...: d_i is head i + 1's argmax given pending, d1 .. d_(i-1),
     in rounds after accepted and rejected drafts and with rows of different lengths."""
     full, early = cascaded_trained
-    checked = 0
-    drafter = DRAFTERS[full.cfg.head_type]
+    checked = []
+    for model in (early, full):
+        prompts = cyclic_prompts(model, 6, seed=8) + [[3]]  # a prompt shorter than the chain
+        ref, _ = generate(model, prompts, 24)
+        with monkeypatch.context() as m:
+            _check_chain_drafts(m, DRAFTERS[full.cfg.head_type], model, prompts, checked)
+            out, _ = generate(model, prompts, 24, decoder="self-spec")
+        assert out == ref
+    assert len(checked) > 100
+
+
+def _check_chain_drafts(monkeypatch, drafter, model, prompts, checked: list) -> None:
+    """Make `drafter.propose` assert that each chain draft d_i is head i + 1's teacher-forced
+    argmax given the row's text and d1 .. d_(i-1), appending to `checked` per draft."""
     propose = drafter.propose
 
     def checking(self, ctx, pending, n):
-        nonlocal checked
         prop = propose(self, ctx, pending, n)
         for b, r in enumerate(ctx.rows):
             seq = list(prompts[r]) + ctx.stopper.out[r]
@@ -169,16 +180,10 @@ def test_cascaded_chain_drafts_are_the_teacher_forced_chain(cascaded_trained, mo
             for i, d in enumerate(drafts, start=1):
                 ref = _teacher_forced(model, seq + drafts[: i - 1], i)
                 assert ref[d] >= ref.max() - 1e-4
-                checked += 1
+                checked.append(d)
         return prop
 
     monkeypatch.setattr(drafter, "propose", checking)
-    for model in (early, full):
-        prompts = cyclic_prompts(model, 6, seed=8) + [[3]]  # a prompt shorter than the chain
-        ref, _ = generate(model, prompts, 24)
-        out, _ = generate(model, prompts, 24, decoder="self-spec")
-        assert out == ref
-    assert checked > 100
 
 
 def test_eagle_with_feature_layers_drafts_its_teacher_forced_chain(monkeypatch):
@@ -191,26 +196,12 @@ def test_eagle_with_feature_layers_drafts_its_teacher_forced_chain(monkeypatch):
     with torch.no_grad():  # away from its start (the last block's output alone)
         model.heads[1].fuse.weight.normal_(0, 0.3)
     prompts = random_prompts(6, model.cfg.vocab_size, seed=9) + [[3]]
-    checked = 0
-    propose = eagle.EagleHeads.propose
-
-    def checking(self, ctx, pending, n):
-        nonlocal checked
-        prop = propose(self, ctx, pending, n)
-        for b, r in enumerate(ctx.rows):
-            seq = list(prompts[r]) + ctx.stopper.out[r]
-            drafts = prop.tokens[b, 1:].tolist()
-            for i, d in enumerate(drafts, start=1):
-                ref = _teacher_forced(model, seq + drafts[: i - 1], i)
-                assert ref[d] >= ref.max() - 1e-4
-                checked += 1
-        return prop
-
+    checked = []
     ref, _ = generate(model, prompts, 16)
     with monkeypatch.context() as m:
-        m.setattr(eagle.EagleHeads, "propose", checking)
+        _check_chain_drafts(m, eagle.EagleHeads, model, prompts, checked)
         assert generate(model, prompts, 16, decoder="self-spec")[0] == ref
-    assert checked > 50
+    assert len(checked) > 50
     for kwargs in ({"decoder": "tree", "tree": Tree.from_widths([2, 2, 1])},
                    {"decoder": "tree", "tree": DynamicTree(max_nodes=8, top=3)},
                    {"decoder": "self-spec", "lookup": 4}):
