@@ -438,9 +438,12 @@ class LossConfig:
     are the model's own greedy ones (elsewhere ignored), so head i learns token i of the greedy
     continuation itself, which is what greedy speculation accepts."""
     soft_targets: bool = False
-    """With `--optim.train heads`: head i learns the frozen model's own distribution of its token
-    (head 1's, restricted to the draft vocabulary) instead of one token, wherever `targets`
-    scores it (EAGLE-3's loss; `mtp.train.loss`, path `frozen_trunk_soft`)."""
+    """Head i learns the frozen model's own distribution of its token (head 1's, restricted to
+    the draft vocabulary) instead of one token, wherever `targets` scores it. With `--optim.train
+    heads` the frozen model is the trunk itself (EAGLE-3's loss; path `frozen_trunk_soft`); with
+    `--optim.train all` it is a frozen copy of the `--model.init_from` model, so head 1 keeps
+    its distribution while the trunk trains (Medusa-2's self-distillation;
+    `mtp.train.loss.soft_sequential_path`)."""
 
     def __post_init__(self) -> None:
         p = []
@@ -496,9 +499,11 @@ class RunConfig:
             p.append(f"--model.vocab_size ({self.model.vocab_size}) is below the "
                      f"{BYTE_LEVEL_BASE} tokens a byte-level BPE starts from (256 bytes and the "
                      f"end-of-text token); give at least {BYTE_LEVEL_BASE}, or a --data.tokenizer")
-        if self.loss.soft_targets and self.optim.train != "heads":
-            p.append("--loss.soft_targets learns the frozen model's distributions: it needs "
-                     "--optim.train heads")
+        if self.loss.soft_targets and self.optim.train == "all" and \
+                (self.model.init_from is None or self.loss.strategy != "sequential"):
+            p.append("--loss.soft_targets with --optim.train all learns the distributions of "
+                     "the pretrained model training starts from, by the sequential pass: it "
+                     "needs --model.init_from and --loss.strategy sequential")
         if self.optim.train == "heads" and self.model.n_future < 2:
             p.append("--optim.train heads trains heads 2..K, but --model.n_future is 1")
         if self.model.head_type == "eagle" and self.model.n_future > 1 and \

@@ -7,7 +7,9 @@ head weights (K,), returning a `HeadsLoss`. `heads_loss` takes one from `PATHS` 
 - `naive`: all K heads' logits (K, B, T, V) at once, then cross-entropy: the reference.
 - `sequential`: one head at a time through the fused linear cross-entropy, so no [N, V] logits
   are held; each head's backward runs inside this forward (`_SequentialHeads`), so the loss
-  path's peak memory does not grow with K. Needs grad mode.
+  path's peak memory does not grow with K. Needs grad mode. `soft_sequential_path(teacher)`
+  is the same against a frozen model's distributions (`--loss.soft_targets` in joint training,
+  Medusa-2), by a chunked soft cross-entropy (`soft_cross_entropy_fwd_bwd`).
 - `frozen_trunk`: heads 2..K only, by plain autograd, from the output of a frozen trunk
   (`--optim.train heads`, `mtp.train.frozen_trunk`): no trunk backward, no loss for head 1.
 - `frozen_trunk_soft`: the same against soft targets (`--loss.soft_targets`, EAGLE-3): head i
@@ -33,11 +35,12 @@ import torch.nn.functional as F
 from mtp.config import LossConfig
 from mtp.kernels import linear_cross_entropy, linear_cross_entropy_fwd_bwd
 from mtp.model.transformer import MTPTransformer, Rope
-from mtp.train.targets import IGNORE_INDEX, greedy_predictions
+from mtp.train.targets import IGNORE_INDEX, Teacher, greedy_predictions
 
 __all__ = ["PATHS", "HeadsLoss", "HeadsLossPath", "heads_loss", "mtp_loss", "naive_mtp_loss",
            "scheduled_head_weights", "sequential_mtp_loss", "sequential_path",
-           "simulated_acceptance", "top1_accuracy"]
+           "simulated_acceptance", "soft_cross_entropy_fwd_bwd", "soft_sequential_path",
+           "top1_accuracy"]
 
 @dataclass
 class HeadsLoss:
@@ -145,14 +148,70 @@ def sequential_path(fwd_bwd: Callable = linear_cross_entropy_fwd_bwd) -> HeadsLo
     """The `sequential` path with `fwd_bwd` as its loss-and-gradients function (default the
     fused kernel, `mtp.kernels.linear_cross_entropy_fwd_bwd`; `mtp bench loss` swaps in an
     unfused cross-entropy to separate what the order saves from what the kernel saves)."""
-    return functools.partial(_sequential, fwd_bwd=fwd_bwd)
+    return functools.partial(_sequential, head_loss=lambda model, i, targets: fwd_bwd)
+
+
+def soft_sequential_path(teacher: Teacher) -> HeadsLossPath:
+    """The `sequential` path against a frozen model's distributions (joint training under
+    `--loss.soft_targets`): head i at position t learns `teacher`'s distribution at t + i
+    (head 1's own at t: a KL to the frozen logits, Medusa-2's self-distillation), over head i's
+    vocabulary, renormalised there, wherever its hard target is scored; the last i positions of
+    a window, whose teacher lies past it, are not scored. No [N, V] logits are held: the soft
+    cross-entropy runs over chunks of rows (`soft_cross_entropy_fwd_bwd`)."""
+    return functools.partial(_sequential, head_loss=functools.partial(_soft_head_loss, teacher))
+
+
+def _soft_head_loss(teacher: Teacher, model: MTPTransformer, i: int,
+                    targets: torch.Tensor) -> Callable:
+    """Head i's loss-and-gradients function against `teacher`, shaped as the fused kernel's
+    (`linear_cross_entropy_fwd_bwd`); `targets` (K, B, T) say which positions are scored."""
+    T = targets.shape[2]
+    W = teacher.W if i == 0 or not model.cfg.draft_vocab else teacher.W[model.draft_ids]
+    z = teacher.z.roll(-i, dims=1).flatten(0, 1)  # row (b, t): the teacher at t + i
+    scored = (targets[i] != IGNORE_INDEX) & (torch.arange(T, device=targets.device) < T - i)
+
+    def fwd_bwd(hidden, weight, _targets, dweight_acc, *, scale, ignore_index):
+        return soft_cross_entropy_fwd_bwd(hidden, weight, z, W, scored.flatten(), dweight_acc,
+                                          scale=scale)
+
+    return fwd_bwd
+
+
+@torch.no_grad()
+def soft_cross_entropy_fwd_bwd(hidden: torch.Tensor, weight: torch.Tensor,
+                               teacher_hidden: torch.Tensor, teacher_weight: torch.Tensor,
+                               scored: torch.Tensor, dweight_acc: torch.Tensor, *,
+                               scale: float | torch.Tensor = 1.0,
+                               chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean over the `scored` rows (N,) of the cross-entropy H(p, q) of q = softmax(hidden @
+    weight.T) against p = softmax(teacher_hidden @ teacher_weight.T), and its gradients, with
+    `linear_cross_entropy_fwd_bwd`'s contract otherwise: `scale * dloss/dweight` added into
+    `dweight_acc`, returns the unscaled mean loss and `scale * dloss/dhidden`. Its gradients are
+    those of KL(p || q), which differs by p's entropy. At most `chunk_size` rows of logits are
+    held at a time, in `dweight_acc`'s dtype."""
+    dtype = dweight_acc.dtype
+    rows = scored.nonzero().squeeze(1)
+    n = max(len(rows), 1)
+    W, Wt = weight.to(dtype), teacher_weight.to(dtype)
+    dhidden = torch.zeros_like(hidden)
+    loss = torch.zeros((), dtype=dtype, device=hidden.device)
+    for part in rows.split(chunk_size):
+        x = hidden[part].to(dtype)
+        log_q = (x @ W.T).log_softmax(-1)
+        p = (teacher_hidden[part].to(dtype) @ Wt.T).softmax(-1)
+        loss -= (p * log_q).sum()
+        g = log_q.exp_().sub_(p).mul_(scale / n)  # dloss/dlogits, scaled
+        dhidden[part] = (g @ W).to(hidden.dtype)
+        dweight_acc.addmm_(g.T, x)
+    return loss / n, dhidden
 
 
 def _sequential(model: MTPTransformer, h: torch.Tensor, rope: Rope, targets: torch.Tensor,
-                weights: torch.Tensor, with_accuracy: bool, *, fwd_bwd: Callable) -> HeadsLoss:
+                weights: torch.Tensor, with_accuracy: bool, *, head_loss: Callable) -> HeadsLoss:
     """All heads inside one autograd node (`_SequentialHeads`), their backward included, so
     between forward and backward only dL/dh, the heads' parameter gradients and the one shared
-    dL/dW are kept, whatever K is."""
+    dL/dW are kept, whatever K is. `head_loss(model, i, targets)` gives head i's
+    loss-and-gradients function, shaped as `linear_cross_entropy_fwd_bwd`."""
     if not torch.is_grad_enabled():
         raise RuntimeError("the sequential heads' loss computes the heads' gradients in its "
                            "forward and needs grad mode; without gradients, use the `metrics` "
@@ -166,7 +225,7 @@ def _sequential(model: MTPTransformer, h: torch.Tensor, rope: Rope, targets: tor
         params.append(model.embed.weight)
     params = list({id(p): p for p in params}.values())  # a tied or shared tensor once
     loss, head_losses, head_accs = _SequentialHeads.apply(model, rope, targets, weights,
-                                                          with_accuracy, fwd_bwd, h, *params)
+                                                          with_accuracy, head_loss, h, *params)
     return HeadsLoss(loss, head_losses, head_accs if with_accuracy else None)
 
 
@@ -193,7 +252,7 @@ class _SequentialHeads(torch.autograd.Function):
     # with K (`mtp bench loss`): docs/design-notes.md, "The sequential head pass".
 
     @staticmethod
-    def forward(ctx, model, rope, targets, weights, with_accuracy, fwd_bwd, h, *params):
+    def forward(ctx, model, rope, targets, weights, with_accuracy, head_loss, h, *params):
         W = model.unembed.weight
         with torch.enable_grad():
             h_leaf = h.detach().requires_grad_()
@@ -202,7 +261,7 @@ class _SequentialHeads(torch.autograd.Function):
             grads[W] = torch.zeros_like(W, dtype=torch.promote_types(W.dtype, torch.float32))
             run = _cascaded_heads if model.cascaded else _parallel_heads
             dh, head_losses, head_accs = run(model, rope, targets, weights, with_accuracy,
-                                             fwd_bwd, h_leaf, shared, grads)
+                                             head_loss, h_leaf, shared, grads)
         grads[W] = grads[W].to(W.dtype)
         # Plain attributes, not save_for_backward: backward hands each buffer over (scaled in
         # place) instead of allocating a scaled copy next to it, which would double the
@@ -228,7 +287,7 @@ class _SequentialHeads(torch.autograd.Function):
         return (None, None, None, None, None, None, *grads)
 
 
-def _head_step(model, i, run_head, x, rope, targets, weights, fwd_bwd, with_accuracy, wrt,
+def _head_step(model, i, run_head, x, rope, targets, weights, head_loss, with_accuracy, wrt,
                grads, g_out=None):
     """Head i's loss and its gradients with respect to `wrt`: its output from input x, the fused
     loss forward and backward (dL/dW added into grads[W]), then the head's backward from dL/dz
@@ -241,8 +300,8 @@ def _head_step(model, i, run_head, x, rope, targets, weights, fwd_bwd, with_accu
     z = model.head_norm(out)  # (B, T, d)
     t = model.head_targets(i, targets[i]).flatten()
     gWi = grads[W] if Wi is W else torch.zeros_like(Wi, dtype=grads[W].dtype)
-    loss, dz = fwd_bwd(z.detach().flatten(0, 1), Wi.detach(), t, gWi, scale=weights[i],
-                       ignore_index=IGNORE_INDEX)
+    loss, dz = head_loss(model, i, targets)(z.detach().flatten(0, 1), Wi.detach(), t, gWi,
+                                            scale=weights[i], ignore_index=IGNORE_INDEX)
     if Wi is not W:
         grads[W].index_add_(0, model.draft_ids, gWi)
     acc = top1_accuracy(z.detach().flatten(0, 1), Wi, t) if with_accuracy else None
@@ -267,7 +326,7 @@ def _collect(got: dict, shared: list, own: list, head_params: list, to_sharded,
         grads[p] = g
 
 
-def _parallel_heads(model, rope, targets, weights, with_accuracy, fwd_bwd, h_leaf, shared,
+def _parallel_heads(model, rope, targets, weights, with_accuracy, head_loss, h_leaf, shared,
                     grads):
     """Heads that all read the trunk output: each runs, is differentiated and is freed in turn,
     dL/dh summed over them."""
@@ -276,7 +335,7 @@ def _parallel_heads(model, rope, targets, weights, with_accuracy, fwd_bwd, h_lea
         own = list(head.parameters())  # sharded under FSDP, like `params`
         with _gathered_head(head) as (run_head, head_params, to_sharded):
             loss, acc, got = _head_step(model, i, run_head, h_leaf, rope, targets, weights,
-                                        fwd_bwd, with_accuracy,
+                                        head_loss, with_accuracy,
                                         [h_leaf, *shared, *head_params], grads)
             # this head's activations were freed with its graph, before the next head runs
             dh = _add(dh, got.pop(id(h_leaf)))
@@ -286,7 +345,7 @@ def _parallel_heads(model, rope, targets, weights, with_accuracy, fwd_bwd, h_lea
     return dh, losses, accs
 
 
-def _cascaded_heads(model, rope, targets, weights, with_accuracy, fwd_bwd, h_leaf, shared,
+def _cascaded_heads(model, rope, targets, weights, with_accuracy, head_loss, h_leaf, shared,
                    grads):
     """Cascaded heads (head i reads head i - 1's output): a forward sweep without graphs keeps
     each head's output (B, T, d); a backward sweep from head K to head 1 reruns each head with
@@ -308,7 +367,7 @@ def _cascaded_heads(model, rope, targets, weights, with_accuracy, fwd_bwd, h_lea
         x_in = h_leaf if i == 0 else outs[i - 1].requires_grad_()
         with _gathered_head(head) as (run_head, head_params, to_sharded):
             losses[i], accs[i], got = _head_step(model, i, run_head, x_in, rope, targets,
-                                                 weights, fwd_bwd, with_accuracy,
+                                                 weights, head_loss, with_accuracy,
                                                  [x_in, *shared, *head_params], grads, g)
             g = got.pop(id(x_in))
             _collect(got, shared, own, head_params, to_sharded, grads)

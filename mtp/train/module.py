@@ -19,8 +19,9 @@ from mtp.train.loss import (
     mtp_loss,
     scheduled_head_weights,
     simulated_acceptance,
+    soft_sequential_path,
 )
-from mtp.train.targets import mtp_inputs_targets, self_targets
+from mtp.train.targets import FrozenTeacher, mtp_inputs_targets, self_targets
 from mtp.util.digests import DIGESTS, tensor_digests
 from mtp.util.errors import ConfigError
 
@@ -43,6 +44,9 @@ class MTPModule(L.LightningModule):
             from mtp.interop.hf_import import init_from_pretrained
 
             init_from_pretrained(self.model)
+        # joint training against the distributions of the model as it starts (Medusa-2)
+        self.teacher = FrozenTeacher(self.model) if loss.soft_targets and \
+            optim.train == "all" else None
         if compile.enabled:
             compile_blocks(self.model, compile.mode)
         self.flops_per_batch: float | None = None  # read by Lightning's ThroughputMonitor
@@ -94,8 +98,11 @@ class MTPModule(L.LightningModule):
         else:
             # the trunk and the heads in one forward of the model: FSDP gathers its root unit
             # there and only there (`MTPTransformer.forward`, `heads_fn`)
-            out = mtp_loss(self.model, *self.inputs_targets(batch), weights,
-                           path=self.loss_cfg.strategy, with_accuracy=with_accuracy)
+            inputs, targets = self.inputs_targets(batch)
+            path = self.loss_cfg.strategy if self.teacher is None else \
+                soft_sequential_path(self.teacher(inputs))
+            out = mtp_loss(self.model, inputs, targets, weights, path=path,
+                           with_accuracy=with_accuracy)
         self.log("train/loss", out.loss, prog_bar=True)
         if self.loss_cfg.schedule != "constant":
             self.log_dict({f"train/head_weight{i + 1}": w for i, w in enumerate(weights)})

@@ -4,12 +4,16 @@
 `mtp_inputs_targets` cuts the inputs and the K target rows out of windows of T + K tokens: the
 data's own tokens. `--loss.targets self` and `greedy` train on the model's own greedy tokens
 instead (self-distillation, `self_targets`), from head 1's argmax at every position
-(`greedy_predictions`).
+(`greedy_predictions`). Joint training with `--loss.soft_targets` scores the heads against
+the distributions of the model as training started (`FrozenTeacher`, Medusa-2's
+self-distillation).
 """
 
 from __future__ import annotations
 
+import copy
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -18,8 +22,8 @@ from mtp.model.transformer import MTPTransformer
 #: A target that no head is scored on (PyTorch's `ignore_index` default).
 IGNORE_INDEX = -100
 
-__all__ = ["IGNORE_INDEX", "greedy_predictions", "mtp_inputs_targets", "self_targets",
-           "targets_from_predictions"]
+__all__ = ["IGNORE_INDEX", "FrozenTeacher", "Teacher", "greedy_predictions", "mtp_inputs_targets",
+           "self_targets", "targets_from_predictions"]
 
 
 def mtp_inputs_targets(window: torch.Tensor, n_future: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,3 +88,36 @@ def self_targets(model: MTPTransformer, window: torch.Tensor, chunk: int = 4096,
         model.train(was_training)
     return targets_from_predictions(window, preds, model.cfg.n_future,
                                     on_greedy_path=on_greedy_path)
+
+
+@dataclass
+class Teacher:
+    """The frozen model's view of one batch: its normalised final hidden states z (B, T, d) and
+    its unembedding W (V, d). Head i's soft target at position t is softmax(z[:, t + i] @ W.T),
+    over head i's vocabulary (`mtp.train.loss`, `soft_sequential_path`)."""
+
+    z: torch.Tensor
+    W: torch.Tensor
+
+
+class FrozenTeacher:
+    """A frozen copy of the model as training starts (the pretrained model of `--model.init_from`),
+    whose distributions joint training learns under `--loss.soft_targets`: head 1 keeps the
+    model's own next-token distribution (Medusa-2's self-distillation, a KL to the frozen
+    logits), and heads 2..K learn it i tokens ahead.
+
+    A plain object, not a submodule, so that checkpoints hold the trained model alone; it follows
+    the inputs' device on its first call.
+    """
+
+    def __init__(self, model: MTPTransformer) -> None:
+        self.model = copy.deepcopy(model).requires_grad_(False).eval()
+        del self.model.heads[1:]  # only head 1's distribution is read
+
+    @torch.no_grad()
+    def __call__(self, inputs: torch.Tensor) -> Teacher:
+        m = self.model
+        if m.unembed.weight.device != inputs.device:
+            m.to(inputs.device)
+        z = m(inputs, heads_fn=lambda h, rope: m.head_norm(m.head_output(0, h, rope)))
+        return Teacher(z, m.unembed.weight)

@@ -10,10 +10,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from mtp.config import HEAD_TYPES, LossConfig, ModelConfig, OptimConfig
 from mtp.model.transformer import MTPTransformer
-from mtp.train.loss import mtp_loss, naive_mtp_loss, scheduled_head_weights, sequential_mtp_loss
+from mtp.train.loss import (
+    mtp_loss,
+    naive_mtp_loss,
+    scheduled_head_weights,
+    sequential_mtp_loss,
+    soft_cross_entropy_fwd_bwd,
+    soft_sequential_path,
+)
 from mtp.train.module import MTPModule
 from mtp.train.parallel import run_ranks
-from mtp.train.targets import IGNORE_INDEX, mtp_inputs_targets
+from mtp.train.targets import IGNORE_INDEX, FrozenTeacher, mtp_inputs_targets
 from mtp.util.errors import ConfigError
 
 
@@ -69,6 +76,93 @@ def test_sequential_equals_naive_with_head_weights_and_tied_embeddings(head_type
     w = [1.0, 0.5, 0.25]
     _assert_grads_close(_grads(model, sequential_mtp_loss, [(inputs, targets)], w),
                         _grads(model, naive_mtp_loss, [(inputs, targets)], w), 1e-5)
+
+
+def test_soft_cross_entropy_matches_autograd_in_chunks():
+    """The chunked soft cross-entropy's loss, dL/dhidden and its addition into dL/dW against
+    autograd over the whole logits, with unscored rows and a head weight."""
+    torch.manual_seed(0)
+    x, W = torch.randn(37, 16, dtype=torch.float64), torch.randn(50, 16, dtype=torch.float64)
+    xt, Wt = torch.randn(37, 8, dtype=torch.float64), torch.randn(50, 8, dtype=torch.float64)
+    scored = torch.rand(37) > 0.3
+    xr, Wr = x.clone().requires_grad_(), W.clone().requires_grad_()
+    p = (xt @ Wt.T).softmax(-1)[scored]
+    want = -(p * (xr @ Wr.T)[scored].log_softmax(-1)).sum(-1).mean()
+    (0.7 * want).backward()
+    acc = torch.ones_like(W)  # the gradient is added to what is there
+    loss, dx = soft_cross_entropy_fwd_bwd(x, W, xt, Wt, scored, acc, scale=0.7, chunk_size=8)
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-12, atol=0)
+    torch.testing.assert_close(dx, xr.grad, rtol=1e-10, atol=1e-14)
+    torch.testing.assert_close(acc, 1 + Wr.grad, rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.parametrize("head_type", ["block", "medusa1", "deepseek"])
+@pytest.mark.parametrize("draft_vocab", [0, 40])
+def test_joint_soft_targets_are_the_frozen_models_distributions(head_type, draft_vocab):
+    """`soft_sequential_path` (joint training under --loss.soft_targets) against a reference by
+    autograd over every head's logits: head i at t learns the frozen model's head-1
+    distribution at t + i, over head i's vocabulary, where its hard target is scored; every
+    parameter's gradient, the trunk's included."""
+    model, inputs, targets = _setup(3, head_type=head_type, draft_vocab=draft_vocab, V=97,
+                                    ignore=False)
+    targets[2, 1, :5] = IGNORE_INDEX  # (cascaded heads read targets 1..K-1 as their tokens)
+    if draft_vocab:
+        model.draft_ids.copy_(torch.randperm(97)[:draft_vocab])
+    teacher = FrozenTeacher(model)
+    with torch.no_grad():  # the model moves away from the teacher, as in training
+        for p in model.parameters():
+            p.add_(torch.randn_like(p), alpha=0.05)
+    weights = [1.0, 0.8, 0.64]
+    T = inputs.shape[1]
+
+    def reference():
+        logits = model(inputs)  # (K, B, T, V); head 1's over V, the others over the draft ids
+        t_logits = teacher.model(inputs, heads=1)[0]
+        losses = []
+        for i in range(3):
+            ids = model.draft_ids if i and draft_vocab else torch.arange(97)
+            p = t_logits[:, i:, ids].softmax(-1)
+            log_q = logits[i, :, :T - i, ids].log_softmax(-1)
+            scored = targets[i][:, :T - i] != IGNORE_INDEX
+            losses.append((-(p * log_q).sum(-1) * scored).sum() / scored.sum())
+        return torch.stack(losses)
+
+    model.zero_grad()
+    want = reference()
+    (torch.tensor(weights) * want).sum().backward()
+    want_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    got = mtp_loss(model, inputs, targets, weights, path=soft_sequential_path(teacher(inputs)))
+    got.loss.backward()
+    torch.testing.assert_close(got.head_losses, want.detach(), rtol=1e-5, atol=0)
+    assert any(n.startswith("blocks.") for n in want_grads)
+    _assert_grads_close({n: p.grad for n, p in model.named_parameters()}, want_grads, 1e-5)
+
+
+def test_joint_training_learns_from_the_model_as_it_started(tiny_corpus, tmp_path):
+    """Joint training under --loss.soft_targets through Lightning: the trunk and heads move, the
+    teacher stays the model as it started, and checkpoints hold the trained model alone."""
+    from mtp.config import DataConfig
+    from mtp.data import MTPDataModule
+
+    cfg = ModelConfig(vocab_size=300, d_model=32, n_layers=1, n_attn_heads=2, n_future=3,
+                      max_seq_len=32)
+    L.seed_everything(0)
+    module = MTPModule(cfg, OptimConfig(lr=1e-2, warmup_steps=1, pretrained_lr_scale=0.1),
+                       LossConfig(soft_targets=True))
+    start = {n: p.detach().clone() for n, p in module.model.named_parameters()}
+    dm = MTPDataModule(DataConfig(source=str(tiny_corpus), cache_dir=str(tmp_path), seq_len=16,
+                                  batch_size=4, val_fraction=0.1), vocab_size=300, n_future=3)
+    L.Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+              enable_model_summary=False, limit_val_batches=0).fit(module, datamodule=dm)
+    now = dict(module.model.named_parameters())
+    for name in ("blocks.0.attn.qkv.weight", "heads.1.mlp.down.weight"):
+        assert not torch.equal(now[name], start[name]), name
+    teacher = dict(module.teacher.model.named_parameters())
+    assert teacher and all(not p.requires_grad for p in teacher.values())
+    for name, p in teacher.items():
+        assert torch.equal(p, start[name]), name
+    assert set(module.state_dict()) == {f"model.{n}" for n in module.model.state_dict()}
 
 
 def test_sequential_equals_naive_under_gradient_accumulation():
@@ -273,8 +367,6 @@ def test_a_schedule_needs_heads_to_move():
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    ({"loss": LossConfig(soft_targets=True)}, "--loss.soft_targets learns the frozen model's "
-     "distributions: it needs --optim.train heads"),
     ({"model": ModelConfig(head_type="eagle")}, "--model.head_type eagle trains with "
      "--optim.train heads or --loss.strategy naive"),
 ])
@@ -284,3 +376,17 @@ def test_flags_that_need_a_frozen_trunk_say_so(kwargs, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         RunConfig(**kwargs)
     RunConfig(**kwargs, optim=OptimConfig(train="heads"))  # accepted there
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"init_from": "x.gguf", "strategy": "naive"}])
+def test_joint_soft_targets_need_a_pretrained_model_and_the_sequential_pass(kwargs):
+    from mtp.config import RunConfig
+
+    model = ModelConfig(init_from=kwargs.get("init_from"))
+    loss = LossConfig(strategy=kwargs.get("strategy", "sequential"), soft_targets=True)
+    with pytest.raises(ConfigError, match=re.escape(
+            "--loss.soft_targets with --optim.train all learns the distributions of the "
+            "pretrained model training starts from, by the sequential pass: it needs "
+            "--model.init_from and --loss.strategy sequential")):
+        RunConfig(model=model, loss=loss)
+    RunConfig(model=model, loss=loss, optim=OptimConfig(train="heads"))  # frozen: the trunk
