@@ -22,43 +22,63 @@ A round with n drafts runs in two steps:
 
 So every draft conditions on the drafts before it on its own path: a tree node is expanded
 with the continuation of its own token, not with independent heads' guesses.
+
+With a `DynamicTree` the tree is grown anew each round where the modules are sure (EAGLE-2):
+each level expands the `top` likeliest nodes of the level before (a node's chance: the product
+of its path's probabilities), computing their cells, and the round verifies the likeliest nodes
+of all those it saw, as many as pay for their forward time on this machine
+(`DynamicTree.choose`). An expanded node's cells take the scratch slot of its expansion index.
 """
 
 from __future__ import annotations
 
 import torch
 
-from mtp.decoding.drafters import Drafter, tree_origins
+from mtp.decoding.drafters import Drafter, tree_origins, tree_tensors
 from mtp.decoding.engine import Context, Proposal, Verified
 from mtp.decoding.sampling import multinomial
-from mtp.decoding.tree import Tree, TreeTensors, place_children
+from mtp.decoding.tree import DynamicTree, Tree, TreeTensors, place_children
 from mtp.model.transformer import MTPTransformer
 
 __all__ = ["CascadedHeads"]
 
 
 class CascadedHeads(Drafter):
-    """Cascaded heads 2..heads draft a chain (tree=None) or a tree of their own continuations."""
+    """Cascaded heads 2..heads draft a chain (tree=None), a tree of their own continuations, or
+    such a tree grown each round (`DynamicTree`)."""
 
-    def __init__(self, model: MTPTransformer, heads: int, tree: Tree | None = None) -> None:
+    def __init__(self, model: MTPTransformer, heads: int,
+                 tree: Tree | DynamicTree | None = None) -> None:
         if model.head_layers[0] is not None:
             raise ValueError("cascaded drafting needs a head 1 that keeps no cache")
         self.model, self.depths = model, heads - 1
-        self.tree = None if tree is None else tree.pruned(heads - 1)
-        self.top = max(self.tree.widths(), default=1) if self.tree is not None else 1
+        self.dynamic = tree if isinstance(tree, DynamicTree) else None
+        if self.dynamic is not None:  # each round grows its own tree, as deep as the chain
+            self.tree = Tree.from_widths([1] * self.depths)
+            self.top = min(self.dynamic.top, model.cfg.draft_vocab or model.cfg.vocab_size)
+        else:
+            self.tree = None if tree is None else tree.pruned(heads - 1)
+            self.top = max(self.tree.widths(), default=1) if self.tree is not None else 1
         self.max_drafts = self.depths if self.tree is None else self.tree.depth
         # the tree (or chain) of a round with n drafts, and its nodes' origins: depth d, head d + 1
         self.by_depth: dict[int, tuple[TreeTensors, torch.Tensor]] = {}
+        self.by_shape: dict = {}  # a dynamic round's tree -> `tree_tensors`
         # a draft vocabulary's unembedding rows, gathered once per decode, not once per level
         self.rows = model.head_unembed(1).detach() if model.cfg.draft_vocab else None
 
     @property
     def slots_needed(self) -> int:
         """Cache slots a round uses past the committed ones (verify and scratch alike)."""
+        if self.dynamic is not None:  # the nodes verified, or those expanded on the way
+            return max(self.dynamic.max_nodes, self.top * max(self.depths - 1, 0)) + 1
         return (self.max_drafts if self.tree is None else len(self.tree.paths) - 1) + 1
 
     # -- state -------------------------------------------------------------------------------
     def start(self, ctx, prompts, trunk, pending) -> None:
+        if self.dynamic is not None:
+            from mtp.decoding.cost import verify_seconds
+
+            self.seconds = verify_seconds(ctx.model, len(prompts), self.dynamic.max_nodes + 1)
         h, rope = trunk
         b, s = len(prompts), ctx.cache.max_len
         d = h.shape[-1]
@@ -95,6 +115,11 @@ class CascadedHeads(Drafter):
         for j in range(1, n + 1):
             self._catch_up(ctx, j)
         ctx.timer.lap("draft")
+        if self.dynamic is not None:
+            tokens, tree = self._grow_dynamic(ctx, pending, n)
+            tt, origins = tree_tensors(self.by_shape, tree, 0, pending.device)
+            ctx.timer.lap("draft")
+            return Proposal(tokens, tree.depth, tree=tt, origins=origins)
         if n not in self.by_depth:
             tree = Tree.from_widths([1] * n) if self.tree is None else self.tree.pruned(n)
             tt = TreeTensors.build(tree, pending.device)
@@ -134,6 +159,9 @@ class CascadedHeads(Drafter):
         """Children of nodes with depth outputs `hidden` (B, T, d): their top-`width` tokens
         (B, T, width), and for a sampled chain the draws' distribution (B, T, V)."""
         logits = self.model.draft_logits(self.model.head_norm(hidden), self.rows)
+        if self.dynamic is not None:  # the candidates and their probabilities
+            probs, kids = logits.float().softmax(-1).topk(width, dim=-1)
+            return kids, probs
         if self.tree is not None:
             return logits.topk(width, dim=-1).indices, None
         if ctx.sampling.greedy:
@@ -161,7 +189,7 @@ class CascadedHeads(Drafter):
                     pos = (lengths - j + level)[:, None].expand(-1, len(members))
                     slots = self.final[j][:, None] + idx - 1  # scratch past the final cells
                     x = out_at[j - 1][:, tt.parent[idx]]
-                    mask = self._scratch_mask(tt, idx, j, lengths, nodes)
+                    mask = self._scratch_mask(tt.depth, tt.ancestors, idx, j, lengths, nodes)
                     out_at[j][:, idx] = self._run(ctx, j, x, tokens[:, idx], pos.clamp(min=0),
                                                   slots, mask)
             width = self.top if self.tree is not None else 1
@@ -171,11 +199,64 @@ class CascadedHeads(Drafter):
             place_children(tokens, kids, tt, level_of, members, level)
         return tokens, (torch.stack(qs, 1) if qs else None)
 
-    def _scratch_mask(self, tt: TreeTensors, idx: torch.Tensor, j: int, lengths: torch.Tensor,
-                      nodes: int) -> torch.Tensor:
+    def _grow_dynamic(self, ctx: Context, pending: torch.Tensor,
+                      levels: int) -> tuple[torch.Tensor, Tree]:
+        """EAGLE-2's round on the modules: expand the `top` likeliest nodes of each level (their
+        cells at every depth that reads their token, node e's in scratch slot final + e - 1),
+        then keep the likeliest nodes seen. Returns the kept tree's tokens (B, N + 1), root
+        first, and the tree. One tree for the batch: the rows' chances are averaged."""
+        lengths, top, dev = ctx.cache.lengths, self.top, pending.device
+        rows = torch.arange(len(lengths), device=dev)
+        most = 1 + top * max(levels - 1, 0)  # the root and every node expanded
+        anc = torch.eye(most, dtype=torch.bool, device=dev)  # among expanded nodes
+        level_of = torch.zeros(most, dtype=torch.long, device=dev)
+        # cells[e][j]: expanded node e's cell at depth j (B, d); the root's are final
+        cells = [{j: self.out[j][rows, (lengths - j).clamp(min=0)] for j in range(levels + 1)}]
+        # the candidates: path of ranks -> (token (B,), chance (B,), parent expanded index)
+        seen: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor, int]] = {}
+        kids, probs = self._children(ctx, cells[0][1][:, None], top)
+        frontier = [((r,), kids[:, 0, r], probs[:, 0, r], 0) for r in range(top)]
+        for level in range(1, levels + 1):
+            for path, token, chance, parent in frontier:
+                seen[path] = token, chance, parent
+            if level == levels:
+                break
+            frontier.sort(key=lambda c: -float(c[2].mean()))
+            pick = frontier[:top]
+            first = len(cells)
+            idx = torch.arange(first, first + len(pick), device=dev)
+            for e, (_, _, _, parent) in zip(idx.tolist(), pick):
+                anc[e] |= anc[parent]
+            level_of[idx] = level
+            tokens = torch.stack([t for _, t, _, _ in pick], 1)  # (B, n)
+            new = [{} for _ in pick]
+            for j in range(level + 1, levels + 1):  # the cells that read the level's tokens
+                x = torch.stack([cells[p][j - 1] for *_, p in pick], 1)  # (B, n, d)
+                pos = (lengths - j + level)[:, None].expand(-1, len(pick))
+                out = self._run(ctx, j, x, tokens, pos.clamp(min=0),
+                                self.final[j][:, None] + idx - 1,
+                                self._scratch_mask(level_of, anc, idx, j, lengths, most))
+                for c, o in zip(new, out.unbind(1)):
+                    c[j] = o
+            cells.extend(new)
+            kids, probs = self._children(ctx, torch.stack([c[level + 1] for c in new], 1), top)
+            frontier = [(path + (r,), kids[:, i, r], chance * probs[:, i, r], e)
+                        for i, ((path, _, chance, _), e) in enumerate(zip(pick, idx.tolist()))
+                        for r in range(top)]
+        # the likeliest first; a child is never likelier than its parent, and ties go to the
+        # shallower, so every prefix is a tree
+        ranked = sorted(seen, key=lambda p: (-float(seen[p][1].mean()), len(p)))
+        n = self.dynamic.choose([float(seen[p][1].mean()) for p in ranked], self.seconds)
+        tree = Tree.from_paths(ranked[:n])
+        tokens = torch.stack([pending, *(seen[p][0] for p in tree.paths[1:])], 1)
+        return tokens, tree
+
+    def _scratch_mask(self, level_of: torch.Tensor, ancestors: torch.Tensor, idx: torch.Tensor,
+                      j: int, lengths: torch.Tensor, nodes: int) -> torch.Tensor:
         """Attention mask (B, 1, T, S) of depth-j cells of nodes `idx`: depth j's final slots,
         and the scratch slots of the node's ancestors' (and its own) depth-j cells that exist
-        (position >= 0)."""
+        (position >= 0). `level_of` (N,) and `ancestors` (N, N) describe the nodes
+        (ancestors[m, i] = i is m or an ancestor of m)."""
         first = self.final[j]  # (B,) scratch slot of node m is first + m - 1
         s = int(first.max()) + nodes - 1
         slot = torch.arange(s, device=first.device)
@@ -183,8 +264,8 @@ class CascadedHeads(Drafter):
         inside = (rel >= 1) & (rel < nodes)
         node = rel.clamp(1, nodes - 1)
         # a cell (j, L - j + level) exists only at positions >= 0
-        exists = (lengths[:, None] - j + tt.depth[node]) >= 0  # (B, S)
-        anc = tt.ancestors[idx][:, node]  # (T, B, S)
+        exists = (lengths[:, None] - j + level_of[node]) >= 0  # (B, S)
+        anc = ancestors[idx][:, node]  # (T, B, S)
         own = idx[:, None, None] == node[None]  # its own cell: never a row with nothing to see
         see = inside[None] & ((anc & exists[None]) | own)
         return ((rel < 1)[None] | see).transpose(0, 1)[:, None]

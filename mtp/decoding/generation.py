@@ -143,7 +143,7 @@ def generate(
                                     Lookup(lookup, lookup_ngram))
     elif decoder == "self-spec":
         drafter = CascadedHeads(model, heads) if model.cascaded else ParallelHeads(model, heads)
-    elif decoder == "tree" and isinstance(tree, DynamicTree):
+    elif decoder == "tree" and isinstance(tree, DynamicTree) and not model.cascaded:
         drafter = ParallelHeadsDynamicTree(model, heads, tree,
                                            Lookup(lookup, lookup_ngram) if lookup else None)
     elif decoder == "tree":

@@ -214,12 +214,7 @@ class DecodeRequest:
                     "{head_type}) is not supported; use parallel or eagle heads, or {decoder} "
                     "lookup",
                     head_type=cfg.head_type)
-            if d == "tree" and isinstance(self.tree, DynamicTree) and model.cascaded and \
-                    not model.unrolled:
-                bad("tree", "{tree} dynamic grows a tree from parallel or eagle heads; DeepSeek's "
-                    "modules (--model.head_type {head_type}) take a fixed tree such as 3,2,1",
-                    head_type=cfg.head_type)
-            elif d == "tree" and isinstance(self.tree, Tree) and self.tree.depth:
+            if d == "tree" and isinstance(self.tree, Tree) and self.tree.depth:
                 widest = max(self.tree.widths())
                 ranked = cfg.draft_vocab or cfg.vocab_size  # the tokens heads 2..K rank
                 if widest > ranked:
