@@ -444,9 +444,16 @@ class LossConfig:
     `--optim.train all` it is a frozen copy of the `--model.init_from` model, so head 1 keeps
     its distribution while the trunk trains (Medusa-2's self-distillation;
     `mtp.train.loss.soft_sequential_path`)."""
+    feature_weight: float = 0.0
+    """With eagle heads and `--optim.train heads`: each unrolled step's output feature also
+    regresses (smooth L1) to the frozen trunk's output at the position of the token it predicts
+    the next one from, weighted this much times the step's head weight (EAGLE-1's feature
+    loss; 0: off)."""
 
     def __post_init__(self) -> None:
         p = []
+        if self.feature_weight < 0:
+            p.append(f"--loss.feature_weight must be >= 0 (got {self.feature_weight})")
         if self.head_weights is not None and any(w < 0 for w in self.head_weights):
             p.append(f"--loss.head_weights must be >= 0 (got {self.head_weights})")
         if self.schedule != "constant" and (self.schedule_steps is None or
@@ -504,6 +511,12 @@ class RunConfig:
             p.append("--loss.soft_targets with --optim.train all learns the distributions of "
                      "the pretrained model training starts from, by the sequential pass: it "
                      "needs --model.init_from and --loss.strategy sequential")
+        if self.loss.feature_weight and (self.model.head_type != "eagle" or
+                                         self.optim.train != "heads"):
+            p.append("--loss.feature_weight regresses eagle's draft features to the frozen "
+                     "trunk's: it needs --model.head_type eagle and --optim.train heads (got "
+                     f"--model.head_type {self.model.head_type}, --optim.train "
+                     f"{self.optim.train})")
         if self.optim.train == "heads" and self.model.n_future < 2:
             p.append("--optim.train heads trains heads 2..K, but --model.n_future is 1")
         if self.model.head_type == "eagle" and self.model.n_future > 1 and \

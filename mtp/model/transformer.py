@@ -257,7 +257,14 @@ class MTPTransformer(nn.Module):
         out = z.new_full((*z.shape[:-1], self.cfg.vocab_size), float("-inf"))
         return out.index_copy_(-1, self.draft_ids, z @ rows.T)
 
-    def head_states(
+    def head_states(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                    tokens: torch.Tensor | None = None, heads: int | None = None,
+                    **kw) -> Iterator[torch.Tensor]:
+        """Normalised hidden states (B, T, d) of heads start..heads-1 in order, from the trunk
+        output h (B, T, d): `head_outputs` through the shared norm (`head_norm`)."""
+        return map(self.head_norm, self.head_outputs(h, rope, tokens, heads, **kw))
+
+    def head_outputs(
         self,
         h: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
@@ -269,12 +276,12 @@ class MTPTransformer(nn.Module):
         mask: torch.Tensor | None = None,
         start: int = 0,
     ) -> Iterator[torch.Tensor]:
-        """Normalised hidden states (B, T, d) of heads start..heads-1 in order, from the trunk
-        output h (B, T, d); cascaded heads read one another (those before `start` run unseen)
-        and head i reads tokens[i - 1], e.g. the targets (K, B, T) of
+        """Outputs (B, T, d) of heads start..heads-1 in order, before the shared norm, from the
+        trunk output h (B, T, d); cascaded heads read one another (those before `start` run
+        unseen) and head i reads tokens[i - 1], e.g. the targets (K, B, T) of
         `mtp.train.targets.mtp_inputs_targets`. `cache`, `slots` and `mask` are `head_output`'s;
         `eagle` heads unroll without a cache (`EagleLayer.unrolled`), step i at positions i - 1
-        further on."""
+        further on, each output the feature the next step reads."""
         x, past = h, []
         for i in range(self.cfg.n_future if heads is None else heads):
             if i < start and not self.cascaded:
@@ -294,7 +301,7 @@ class MTPTransformer(nn.Module):
                                        cache=cache, slots=slots, mask=mask)
             x = out
             if i >= start:
-                yield self.head_norm(out)
+                yield out
 
     def forward(
         self,

@@ -14,6 +14,8 @@ head weights (K,), returning a `HeadsLoss`. `heads_loss` takes one from `PATHS` 
   (`--optim.train heads`, `mtp.train.frozen_trunk`): no trunk backward, no loss for head 1.
 - `frozen_trunk_soft`: the same against soft targets (`--loss.soft_targets`, EAGLE-3): head i
   learns the frozen model's own distribution of its token over the draft vocabulary.
+  `frozen_trunk_path(soft, feature_weight)` adds EAGLE-1's regression of eagle's features
+  (`--loss.feature_weight`).
 - `metrics`: every head's loss and top-1 accuracy without gradients (validation).
 
 `mtp_loss` runs the trunk and then `heads_loss` inside the model's forward (`heads_fn`), where
@@ -38,7 +40,7 @@ from mtp.model.transformer import MTPTransformer, Rope
 from mtp.train.targets import IGNORE_INDEX, Teacher, greedy_predictions
 
 __all__ = ["PATHS", "HeadsLoss", "HeadsLossPath", "heads_loss", "mtp_loss", "naive_mtp_loss",
-           "scheduled_head_weights", "sequential_mtp_loss", "sequential_path",
+           "frozen_trunk_path", "scheduled_head_weights", "sequential_mtp_loss", "sequential_path",
            "simulated_acceptance", "soft_cross_entropy_fwd_bwd", "soft_sequential_path",
            "top1_accuracy"]
 
@@ -50,6 +52,7 @@ class HeadsLoss:
     head_losses: torch.Tensor  # (K,) or, from head index `first` on, (K - first,)
     head_accuracies: torch.Tensor | None = None  # like head_losses
     first: int = 0  # head_losses[j] is head index first + j's (frozen_trunk: 1, head 1 has none)
+    feature_losses: torch.Tensor | None = None  # like head_losses: EAGLE-1's regression
 
 
 #: `path(model, h, rope, targets, weights, with_accuracy)`: the one signature of every path.
@@ -415,23 +418,44 @@ def _gathered_head(head: torch.nn.Module):
 
 
 # -- frozen_trunk --------------------------------------------------------------------------------
+def frozen_trunk_path(soft: bool = False, feature_weight: float = 0.0) -> HeadsLossPath:
+    """The `frozen_trunk` path, against soft targets with `soft` (`frozen_trunk_soft`), and with
+    EAGLE-1's feature regression at `feature_weight` (`--loss.feature_weight`)."""
+    return functools.partial(_frozen_trunk, soft=soft, feature_weight=feature_weight)
+
+
 def _frozen_trunk(model: MTPTransformer, h: torch.Tensor, rope: Rope, targets: torch.Tensor,
-                  weights: torch.Tensor, with_accuracy: bool, *, soft: bool = False) -> HeadsLoss:
+                  weights: torch.Tensor, with_accuracy: bool, *, soft: bool = False,
+                  feature_weight: float = 0.0) -> HeadsLoss:
     """Heads 2..K from a frozen trunk's output h, differentiable in their parameters only; no
     loss for head 1, whose weights are frozen with the trunk.
 
     With `soft` (`frozen_trunk_soft`), head i at position t learns the frozen model's
     distribution of the token at t + i + 1 (head 1's at t + i, restricted to the draft
     vocabulary and renormalised there) by cross-entropy, wherever its hard target is not
-    ignored; the last i positions of a window, whose teacher lies past it, are not scored."""
+    ignored; the last i positions of a window, whose teacher lies past it, are not scored.
+
+    With `feature_weight` w > 0 (eagle heads, EAGLE-1), step i's output feature at t, the one
+    step i + 1 reads, also regresses to the trunk's own output at t + i (its last block's, the
+    feature head 1 predicts token t + i + 1 from) by smooth L1, averaged over channels, where
+    its hard target is scored: w_i * w times that joins the loss."""
     T = h.shape[1]
+    d = model.cfg.d_model
     if soft:
         with torch.no_grad():  # (B, T, Vd)
             teacher = model.head_norm(model.head_output(0, h, rope)) @ model.head_unembed(1).T
             p = teacher.float().softmax(-1)
-    losses, accs, total = [], [], h.new_zeros((), dtype=torch.float32)
-    for i, z in enumerate(model.head_states(h, rope, targets, start=1), start=1):
+    losses, accs, regs, total = [], [], [], h.new_zeros((), dtype=torch.float32)
+    for i, out in enumerate(model.head_outputs(h, rope, targets, start=1), start=1):
+        z = model.head_norm(out)
         W, t = model.head_unembed(i), model.head_targets(i, targets[i]).flatten()
+        if feature_weight:
+            scored = targets[i][:, : T - i] != IGNORE_INDEX
+            reg = F.smooth_l1_loss(out[:, : T - i].float(), h[:, i:, -d:].float(),
+                                   reduction="none").mean(-1)
+            reg = (reg * scored).sum() / scored.sum().clamp(min=1)
+            total = total + weights[i] * feature_weight * reg
+            regs.append(reg.detach())
         if soft:
             log_q = (z[:, : T - i] @ W.T).float().log_softmax(-1)  # (B, T - i, Vd)
             valid = targets[i][:, : T - i] != IGNORE_INDEX
@@ -442,7 +466,8 @@ def _frozen_trunk(model: MTPTransformer, h: torch.Tensor, rope: Rope, targets: t
         losses.append(loss.detach())
         if with_accuracy:
             accs.append(top1_accuracy(z.detach().flatten(0, 1), W, t))
-    return HeadsLoss(total, torch.stack(losses), torch.stack(accs) if accs else None, first=1)
+    return HeadsLoss(total, torch.stack(losses), torch.stack(accs) if accs else None, first=1,
+                     feature_losses=torch.stack(regs) if regs else None)
 
 
 # -- metrics -------------------------------------------------------------------------------------
@@ -466,7 +491,7 @@ PATHS: dict[str, HeadsLossPath] = {
     "naive": _naive,
     "sequential": sequential_path(),
     "frozen_trunk": _frozen_trunk,
-    "frozen_trunk_soft": functools.partial(_frozen_trunk, soft=True),
+    "frozen_trunk_soft": frozen_trunk_path(soft=True),
     "metrics": _metrics,
 }
 

@@ -15,6 +15,7 @@ from mtp.model.transformer import MTPTransformer, build_model
 from mtp.train.frozen_trunk import FrozenTrunk
 from mtp.train.loss import (
     HeadsLoss,
+    frozen_trunk_path,
     heads_loss,
     mtp_loss,
     scheduled_head_weights,
@@ -92,7 +93,7 @@ class MTPModule(L.LightningModule):
         with_accuracy = (self.global_step + 1) % self.trainer.log_every_n_steps == 0
         if (frozen := self.frozen_trunk()) is not None:
             h, rope, targets = frozen(batch)
-            path = "frozen_trunk_soft" if self.loss_cfg.soft_targets else "frozen_trunk"
+            path = frozen_trunk_path(self.loss_cfg.soft_targets, self.loss_cfg.feature_weight)
             out = heads_loss(self.model, h, rope, targets, weights, path=path,
                              with_accuracy=with_accuracy)
         else:
@@ -132,6 +133,9 @@ class MTPModule(L.LightningModule):
         metrics = {f"{stage}/loss_head{n}": v for n, v in zip(names, out.head_losses)}
         if out.head_accuracies is not None:
             metrics |= {f"{stage}/acc_head{n}": v for n, v in zip(names, out.head_accuracies)}
+        if out.feature_losses is not None:
+            metrics |= {f"{stage}/feature_loss_head{n}": v
+                        for n, v in zip(names, out.feature_losses)}
         self.log_dict(metrics, **kw)
 
     def setup(self, stage: str) -> None:

@@ -30,16 +30,18 @@ def _model(feature_layers: list[int] | None = None) -> MTPTransformer:
     return model
 
 
-def _step_by_step(model: MTPTransformer, h, targets, b: int, q: int) -> list[torch.Tensor]:
-    """Heads 2..K's normalised states at position q of row b: the first step over every
-    position through the cache (the committed cells), then one step at a time, each in a
-    scratch slot, seeing the cells up to q and the chain's own."""
+def _step_by_step(model: MTPTransformer, h, targets, b: int, q: int, *,
+                  raw: bool = False) -> list[torch.Tensor]:
+    """Heads 2..K's normalised states (with `raw`, their outputs before the norm) at position q
+    of row b: the first step over every position through the cache (the committed cells), then
+    one step at a time, each in a scratch slot, seeing the cells up to q and the chain's own."""
+    norm = (lambda x: x) if raw else model.head_norm
     cache = KVCache(model.cfg, 1, T + K, dtype=torch.float64)
     pos = torch.arange(T)[None]
     causal = (pos[0, None] <= pos[0, :, None])[None, None]  # (1, 1, T, T)
     out = model.head_output(1, h[b:b + 1], model.rotary(pos), tokens=targets[0][b:b + 1],
                             cache=cache, slots=pos, mask=causal)
-    x, states = out[:, q:q + 1], [model.head_norm(out[0, q])]
+    x, states = out[:, q:q + 1], [norm(out[0, q])]
     for i in range(2, K):
         slot = T + i - 2
         mask = torch.zeros(1, 1, 1, slot + 1, dtype=torch.bool)
@@ -48,7 +50,7 @@ def _step_by_step(model: MTPTransformer, h, targets, b: int, q: int) -> list[tor
         x = model.head_output(i, x, model.rotary(torch.tensor([[q + i - 1]])),
                               tokens=targets[i - 1][b:b + 1, q:q + 1], cache=cache,
                               slots=torch.tensor([[slot]]), mask=mask)
-        states.append(model.head_norm(x[0, 0]))
+        states.append(norm(x[0, 0]))
     return states
 
 
@@ -72,6 +74,40 @@ def test_the_unrolled_steps_and_loss_equal_the_step_by_step_reference(feature_la
         want = F.cross_entropy(model.unembed(ref[i - 1]).flatten(0, 1), targets[i].flatten(),
                                ignore_index=IGNORE_INDEX)
         torch.testing.assert_close(loss.head_losses[i], want, rtol=1e-10, atol=0)
+
+
+@pytest.mark.parametrize("feature_layers", [[], [1]], ids=["last", "features"])
+def test_the_feature_regression_is_eagle_1s_against_the_step_by_step_features(feature_layers):
+    """--loss.feature_weight: step i's feature at t (the step-by-step reference's, before the
+    norm) against the trunk's last-block output at t + i, smooth L1 averaged over channels and
+    over the scored positions; the total adds w times each step's head weight times it."""
+    from mtp.train.loss import frozen_trunk_path, heads_loss
+
+    model = _model(feature_layers)
+    window = torch.randint(0, model.cfg.vocab_size, (B, T + K))
+    inputs, targets = mtp_inputs_targets(window, K)
+    targets = targets.clone()
+    targets[2, 0, :3] = IGNORE_INDEX
+    d = model.cfg.d_model
+    with torch.no_grad():
+        h, rope = model.trunk(inputs)
+        ref = torch.stack([torch.stack([torch.stack(_step_by_step(model, h, targets, b, q,
+                                                                  raw=True))
+                                        for q in range(T)], 1) for b in range(B)], 1)
+        weights = torch.tensor([0.0, 1.0, 0.8, 0.64], dtype=torch.float64)
+        plain = heads_loss(model, h, rope, targets, weights.tolist(), path="frozen_trunk")
+        got = heads_loss(model, h, rope, targets, weights.tolist(),
+                         path=frozen_trunk_path(feature_weight=0.5))
+    want = []
+    for i in range(1, K):
+        reg = F.smooth_l1_loss(ref[i - 1][:, : T - i], h[:, i:, -d:], reduction="none").mean(-1)
+        scored = targets[i][:, : T - i] != IGNORE_INDEX
+        want.append((reg * scored).sum() / scored.sum())
+    want = torch.stack(want)
+    torch.testing.assert_close(got.feature_losses, want.float(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(got.head_losses, plain.head_losses)
+    torch.testing.assert_close(got.loss, plain.loss + 0.5 * (weights[1:] * want).sum().float(),
+                               rtol=1e-6, atol=0)
 
 
 def test_heads_2_to_k_are_one_layer_that_every_step_trains_and_a_state_dict_keeps():

@@ -378,6 +378,22 @@ def test_flags_that_need_a_frozen_trunk_say_so(kwargs, message):
     RunConfig(**kwargs, optim=OptimConfig(train="heads"))  # accepted there
 
 
+@pytest.mark.parametrize(("model", "optim"), [({"head_type": "block"}, {"train": "heads"}),
+                                             ({"head_type": "eagle"}, {"train": "all"})])
+def test_feature_regression_needs_eagle_heads_on_a_frozen_trunk(model, optim):
+    from mtp.config import RunConfig
+
+    with pytest.raises(ConfigError, match=re.escape(
+            "--loss.feature_weight regresses eagle's draft features to the frozen trunk's: it "
+            "needs --model.head_type eagle and --optim.train heads (got --model.head_type "
+            f"{model['head_type']}, --optim.train {optim['train']})")):
+        RunConfig(model=ModelConfig(**model), optim=OptimConfig(**optim),
+                  loss=LossConfig(feature_weight=0.1, strategy="naive"))
+    with pytest.raises(ConfigError, match=re.escape("--loss.feature_weight must be >= 0 (got "
+                                                    "-1.0)")):
+        LossConfig(feature_weight=-1.0)
+
+
 @pytest.mark.parametrize("kwargs", [{}, {"init_from": "x.gguf", "strategy": "naive"}])
 def test_joint_soft_targets_need_a_pretrained_model_and_the_sequential_pass(kwargs):
     from mtp.config import RunConfig
