@@ -37,7 +37,7 @@ import torch
 from mtp.decoding.drafters import Drafter, tree_origins, tree_tensors
 from mtp.decoding.engine import Context, Proposal, Verified
 from mtp.decoding.sampling import multinomial
-from mtp.decoding.tree import DynamicTree, Tree, TreeTensors, place_children
+from mtp.decoding.tree import DynamicTree, Expansion, Tree, TreeTensors, place_children
 from mtp.model.transformer import MTPTransformer
 
 __all__ = ["CascadedHeads"]
@@ -201,55 +201,30 @@ class CascadedHeads(Drafter):
 
     def _grow_dynamic(self, ctx: Context, pending: torch.Tensor,
                       levels: int) -> tuple[torch.Tensor, Tree]:
-        """EAGLE-2's round on the modules: expand the `top` likeliest nodes of each level (their
-        cells at every depth that reads their token, node e's in scratch slot final + e - 1),
-        then keep the likeliest nodes seen. Returns the kept tree's tokens (B, N + 1), root
-        first, and the tree. One tree for the batch: the rows' chances are averaged."""
-        lengths, top, dev = ctx.cache.lengths, self.top, pending.device
-        rows = torch.arange(len(lengths), device=dev)
-        most = 1 + top * max(levels - 1, 0)  # the root and every node expanded
-        anc = torch.eye(most, dtype=torch.bool, device=dev)  # among expanded nodes
-        level_of = torch.zeros(most, dtype=torch.long, device=dev)
+        """EAGLE-2's round on the modules (`DynamicTree.grow_by_levels`): a level's expanded
+        nodes get their cells at every depth that reads their token, node e's in scratch slot
+        final + e - 1."""
+        lengths = ctx.cache.lengths
+        rows = torch.arange(len(lengths), device=pending.device)
         # cells[e][j]: expanded node e's cell at depth j (B, d); the root's are final
         cells = [{j: self.out[j][rows, (lengths - j).clamp(min=0)] for j in range(levels + 1)}]
-        # the candidates: path of ranks -> (token (B,), chance (B,), parent expanded index)
-        seen: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor, int]] = {}
-        kids, probs = self._children(ctx, cells[0][1][:, None], top)
-        frontier = [((r,), kids[:, 0, r], probs[:, 0, r], 0) for r in range(top)]
-        for level in range(1, levels + 1):
-            for path, token, chance, parent in frontier:
-                seen[path] = token, chance, parent
-            if level == levels:
-                break
-            frontier.sort(key=lambda c: -float(c[2].mean()))
-            pick = frontier[:top]
-            first = len(cells)
-            idx = torch.arange(first, first + len(pick), device=dev)
-            for e, (_, _, _, parent) in zip(idx.tolist(), pick):
-                anc[e] |= anc[parent]
-            level_of[idx] = level
-            tokens = torch.stack([t for _, t, _, _ in pick], 1)  # (B, n)
-            new = [{} for _ in pick]
-            for j in range(level + 1, levels + 1):  # the cells that read the level's tokens
-                x = torch.stack([cells[p][j - 1] for *_, p in pick], 1)  # (B, n, d)
-                pos = (lengths - j + level)[:, None].expand(-1, len(pick))
-                out = self._run(ctx, j, x, tokens, pos.clamp(min=0),
-                                self.final[j][:, None] + idx - 1,
-                                self._scratch_mask(level_of, anc, idx, j, lengths, most))
+
+        def expand(x: Expansion) -> tuple[torch.Tensor, torch.Tensor]:
+            new = [{} for _ in x.parents]
+            for j in range(x.level + 1, levels + 1):  # the cells that read the level's tokens
+                pos = (lengths - j + x.level)[:, None].expand(-1, len(x.parents))
+                out = self._run(ctx, j, torch.stack([cells[p][j - 1] for p in x.parents], 1),
+                                x.tokens, pos.clamp(min=0), self.final[j][:, None] + x.idx - 1,
+                                self._scratch_mask(x.level_of, x.ancestors, x.idx, j, lengths,
+                                                   len(x.ancestors)))
                 for c, o in zip(new, out.unbind(1)):
                     c[j] = o
             cells.extend(new)
-            kids, probs = self._children(ctx, torch.stack([c[level + 1] for c in new], 1), top)
-            frontier = [(path + (r,), kids[:, i, r], chance * probs[:, i, r], e)
-                        for i, ((path, _, chance, _), e) in enumerate(zip(pick, idx.tolist()))
-                        for r in range(top)]
-        # the likeliest first; a child is never likelier than its parent, and ties go to the
-        # shallower, so every prefix is a tree
-        ranked = sorted(seen, key=lambda p: (-float(seen[p][1].mean()), len(p)))
-        n = self.dynamic.choose([float(seen[p][1].mean()) for p in ranked], self.seconds)
-        tree = Tree.from_paths(ranked[:n])
-        tokens = torch.stack([pending, *(seen[p][0] for p in tree.paths[1:])], 1)
-        return tokens, tree
+            return self._children(ctx, torch.stack([c[x.level + 1] for c in new], 1), self.top)
+
+        return self.dynamic.grow_by_levels(self.top, levels, pending,
+                                           self._children(ctx, cells[0][1][:, None], self.top),
+                                           expand, self.seconds)
 
     def _scratch_mask(self, level_of: torch.Tensor, ancestors: torch.Tensor, idx: torch.Tensor,
                       j: int, lengths: torch.Tensor, nodes: int) -> torch.Tensor:

@@ -29,7 +29,7 @@ import torch
 from mtp.decoding.drafters import Drafter, tree_tensors
 from mtp.decoding.engine import Context, Proposal, chain_mask
 from mtp.decoding.sampling import multinomial
-from mtp.decoding.tree import DynamicTree, Tree, TreeTensors, place_children
+from mtp.decoding.tree import DynamicTree, Expansion, Tree, TreeTensors, place_children
 from mtp.model.transformer import MTPTransformer
 
 __all__ = ["EagleHeads"]
@@ -178,48 +178,24 @@ class EagleHeads(Drafter):
 
     def _grow_dynamic(self, ctx: Context, pending: torch.Tensor, levels: int,
                       m: int) -> tuple[torch.Tensor, Tree]:
-        """EAGLE-2's round: expand the `top` likeliest nodes of each level (cells in scratch
-        slots, node e's at lengths + e - 1), then keep the likeliest nodes seen. Returns the
-        kept tree's tokens (B, N + 1), root first, and the tree. One tree for the batch: the
-        rows' chances are averaged."""
-        lengths, top, dev = ctx.cache.lengths, self.top, pending.device
-        most = 1 + top * max(levels - 1, 0)  # the root and every node expanded
-        anc = torch.eye(most, dtype=torch.bool, device=dev)  # among expanded nodes
+        """EAGLE-2's round (`DynamicTree.grow_by_levels`): the layer's cells of the nodes a
+        level expands go to scratch slots, node e's at lengths + e - 1."""
+        lengths = ctx.cache.lengths
         outs = [self.root]  # the expanded nodes' cell outputs, root first
-        # the candidates: path of ranks -> (token (B,), chance (B,), parent expanded index)
-        seen: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor, int]] = {}
-        kids, probs = self._children(ctx, self.root[:, None], top)
-        frontier = [((r,), kids[:, 0, r], probs[:, 0, r], 0) for r in range(top)]
-        for level in range(1, levels + 1):
-            for path, token, chance, parent in frontier:
-                seen[path] = token, chance, parent
-            if level == levels:
-                break
-            frontier.sort(key=lambda c: -float(c[2].mean()))
-            pick = frontier[:top]
-            first = len(outs)
-            idx = torch.arange(first, first + len(pick), device=dev)
-            for e, (_, _, _, parent) in zip(idx.tolist(), pick):
-                anc[e] |= anc[parent]
-            x = torch.stack([outs[p] for *_, p in pick], 1)  # (B, n, d)
-            tokens = torch.stack([t for _, t, _, _ in pick], 1)
-            pos = (lengths + level - 1)[:, None].expand(-1, len(pick))
+
+        def expand(x: Expansion) -> tuple[torch.Tensor, torch.Tensor]:
+            pos = (lengths + x.level - 1)[:, None].expand(-1, len(x.parents))
             out = self.model.head_output(
-                level + 1, x, self.model.rotary(pos), tokens=tokens, cache=ctx.cache,
-                slots=lengths[:, None] + idx - 1, mask=self._mask(anc, idx, lengths, most))
+                x.level + 1, torch.stack([outs[p] for p in x.parents], 1),
+                self.model.rotary(pos), tokens=x.tokens, cache=ctx.cache,
+                slots=lengths[:, None] + x.idx - 1,
+                mask=self._mask(x.ancestors, x.idx, lengths, len(x.ancestors)))
             outs.extend(out.unbind(1))
-            kids, probs = self._children(ctx, out, top)
-            frontier = [(path + (r,), kids[:, j, r], chance * probs[:, j, r], e)
-                        for j, ((path, _, chance, _), e) in enumerate(zip(pick, idx.tolist()))
-                        for r in range(top)]
-        # the likeliest first; a child is never likelier than its parent, and ties go to the
-        # shallower, so every prefix is a tree
-        ranked = sorted(seen, key=lambda p: (-float(seen[p][1].mean()), len(p)))
-        n = self.dynamic.choose([float(seen[p][1].mean()) for p in ranked],
-                                self.seconds[m:])
-        tree = Tree.from_paths(ranked[:n])
-        tokens = torch.stack([pending, *(seen[p][0] for p in tree.paths[1:])], 1)
-        return tokens, tree
+            return self._children(ctx, out, self.top)
+
+        return self.dynamic.grow_by_levels(self.top, levels, pending,
+                                           self._children(ctx, self.root[:, None], self.top),
+                                           expand, self.seconds[m:])
 
     @staticmethod
     def _mask(ancestors: torch.Tensor, idx: torch.Tensor, lengths: torch.Tensor,

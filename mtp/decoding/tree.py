@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from mtp.model.transformer import MTPTransformer
 
-__all__ = ["MAX_TREE_NODES", "DynamicTree", "Tree", "TreeTensors", "best_first", "place_children",
-           "head_accuracy"]
+__all__ = ["MAX_TREE_NODES", "DynamicTree", "Expansion", "Tree", "TreeTensors", "best_first",
+           "head_accuracy", "place_children"]
 
 #: The most nodes a tree may have: one forward verifies them all (Medusa's trees have ~64).
 MAX_TREE_NODES = 4096
@@ -114,6 +114,21 @@ def best_first(accuracy: torch.Tensor, n_nodes: int) -> list[tuple[float, tuple[
 
 
 @dataclass(frozen=True)
+class Expansion:
+    """The nodes one level of `DynamicTree.grow_by_levels` expands: their expansion indices idx
+    (n,) (the root is 0), their parents' and their tokens (B, n); `ancestors` (M, M) and
+    `level_of` (M,) cover every node the round may expand (ancestors[e, i]: i is e or an
+    ancestor of e)."""
+
+    level: int
+    idx: torch.Tensor
+    parents: list[int]
+    tokens: torch.Tensor
+    ancestors: torch.Tensor
+    level_of: torch.Tensor
+
+
+@dataclass(frozen=True)
 class DynamicTree:
     """A tree grown anew each round where the heads are sure (EAGLE-2's dynamic trees).
 
@@ -142,6 +157,52 @@ class DynamicTree:
         paths = best_first(chances, min(self.max_nodes, len(seconds) - 1))
         n = self.choose([chance for chance, _ in paths], seconds)
         return Tree.from_paths([path for _, path in paths[:n]])
+
+    def grow_by_levels(self, top: int, levels: int, pending: torch.Tensor,
+                       first: tuple[torch.Tensor, torch.Tensor],
+                       expand: Callable[[Expansion], tuple[torch.Tensor, torch.Tensor]],
+                       seconds: Sequence[float]) -> tuple[torch.Tensor, Tree]:
+        """EAGLE-2's round for drafters that draft each level from the one before (eagle's
+        layer, DeepSeek's modules): each level expands its `top` likeliest nodes (`expand` runs
+        the drafter on them and returns their candidates and probabilities, each (B, n, top)),
+        then the round keeps the likeliest nodes seen, as many as `choose` finds worth
+        `seconds`. `first` holds the root's candidates (B, 1, top). Returns the kept tree's
+        tokens (B, N + 1), `pending` first, and the tree. One tree for the batch: the rows'
+        chances are averaged."""
+        dev = pending.device
+        most = 1 + top * max(levels - 1, 0)  # the root and every node expanded
+        anc = torch.eye(most, dtype=torch.bool, device=dev)  # among expanded nodes
+        level_of = torch.zeros(most, dtype=torch.long, device=dev)
+        # the candidates: path of ranks -> (token (B,), chance (B,), parent expanded index)
+        seen: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor, int]] = {}
+        kids, probs = first
+        frontier = [((r,), kids[:, 0, r], probs[:, 0, r], 0) for r in range(top)]
+        expanded = 1
+        for level in range(1, levels + 1):
+            for path, token, chance, parent in frontier:
+                seen[path] = token, chance, parent
+            if level == levels:
+                break
+            frontier.sort(key=lambda c: -float(c[2].mean()))
+            pick = frontier[:top]
+            idx = torch.arange(expanded, expanded + len(pick), device=dev)
+            expanded += len(pick)
+            parents = [p for *_, p in pick]
+            for e, parent in zip(idx.tolist(), parents):
+                anc[e] |= anc[parent]
+            level_of[idx] = level
+            kids, probs = expand(Expansion(level, idx, parents,
+                                           torch.stack([t for _, t, _, _ in pick], 1), anc,
+                                           level_of))
+            frontier = [(path + (r,), kids[:, i, r], chance * probs[:, i, r], e)
+                        for i, ((path, _, chance, _), e) in enumerate(zip(pick, idx.tolist()))
+                        for r in range(top)]
+        # the likeliest first; a child is never likelier than its parent, and ties go to the
+        # shallower, so every prefix is a tree
+        ranked = sorted(seen, key=lambda p: (-float(seen[p][1].mean()), len(p)))
+        tree = Tree.from_paths(ranked[:self.choose([float(seen[p][1].mean()) for p in ranked],
+                                                   seconds)])
+        return torch.stack([pending, *(seen[p][0] for p in tree.paths[1:])], 1), tree
 
     def choose(self, chances: Sequence[float], seconds: Sequence[float]) -> int:
         """How many of the nodes of `chances` (likeliest first, every prefix a tree) to verify:
