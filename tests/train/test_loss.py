@@ -139,11 +139,21 @@ def test_joint_soft_targets_are_the_frozen_models_distributions(head_type, draft
     _assert_grads_close({n: p.grad for n, p in model.named_parameters()}, want_grads, 1e-5)
 
 
-def test_joint_training_learns_from_the_model_as_it_started(tiny_corpus, tmp_path):
-    """Joint training under --loss.soft_targets through Lightning: the trunk and heads move, the
-    teacher stays the model as it started, and checkpoints hold the trained model alone."""
+def test_joint_training_learns_from_the_model_as_it_started(tiny_corpus, tmp_path, monkeypatch):
+    """Joint training under --loss.soft_targets through Lightning: every step scores the heads
+    against the teacher's distributions of its batch, the trunk and heads move, the teacher
+    stays the model as it started, and checkpoints hold the trained model alone."""
+    import mtp.train.module as module_mod
     from mtp.config import DataConfig
     from mtp.data import MTPDataModule
+
+    taught = []
+
+    def recording(teacher):
+        taught.append(teacher)
+        return soft_sequential_path(teacher)
+
+    monkeypatch.setattr(module_mod, "soft_sequential_path", recording)
 
     cfg = ModelConfig(vocab_size=300, d_model=32, n_layers=1, n_attn_heads=2, n_future=3,
                       max_seq_len=32)
@@ -155,6 +165,8 @@ def test_joint_training_learns_from_the_model_as_it_started(tiny_corpus, tmp_pat
                                   batch_size=4, val_fraction=0.1), vocab_size=300, n_future=3)
     L.Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
               enable_model_summary=False, limit_val_batches=0).fit(module, datamodule=dm)
+    assert len(taught) == 2 and all(t.z.shape == (4, 16, 32) for t in taught)
+    assert all(torch.equal(t.W, start["unembed.weight"]) for t in taught)
     now = dict(module.model.named_parameters())
     for name in ("blocks.0.attn.qkv.weight", "heads.1.mlp.down.weight"):
         assert not torch.equal(now[name], start[name]), name
