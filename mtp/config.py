@@ -382,6 +382,10 @@ class OptimConfig:
     pretrained_lr_scale: float = 1.0
     """The learning rate of the trunk, head 1, embedding, final norm and unembedding, as a
     fraction of `lr`; heads 2..K learn at `lr` (below 1: Medusa-2's joint training)."""
+    pretrained_delay_steps: int = 0
+    """With `train: all`: the first N optimizer steps train heads 2..K alone (the pretrained
+    part's rate is 0), and the pretrained part's own warmup and cosine start after them, so that
+    new heads are trained before they pull the trunk (Medusa-2's two stages in one run)."""
     trunk_cache_mb: int = 4096
     """With `train: heads`: memory (MiB) for the frozen trunk's outputs (and self-distillation
     targets) of the training windows, computed once and reused in later epochs
@@ -407,6 +411,12 @@ class OptimConfig:
             p.append(f"--optim.weight_decay must be >= 0 (got {self.weight_decay})")
         if not all(0.0 <= b < 1.0 for b in self.betas):
             p.append(f"--optim.betas must lie in [0, 1) (got {self.betas})")
+        if self.pretrained_delay_steps < 0:
+            p.append(f"--optim.pretrained_delay_steps must be >= 0 (got "
+                     f"{self.pretrained_delay_steps})")
+        if self.pretrained_delay_steps and self.train == "heads":
+            p.append("--optim.pretrained_delay_steps delays the pretrained part's training, "
+                     "which --optim.train heads never starts: use --optim.train all")
         if not 0.0 < self.pretrained_lr_scale <= 1.0:
             p.append(f"--optim.pretrained_lr_scale must be in (0, 1] (got "
                      f"{self.pretrained_lr_scale})")

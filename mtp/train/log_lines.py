@@ -29,6 +29,15 @@ def _duration(seconds: float) -> str:
     return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
 
 
+def _rates(groups: list[dict]) -> str:
+    """The learning rate, or the heads' and the pretrained part's where they differ (`--optim.
+    pretrained_lr_scale`, `--optim.pretrained_delay_steps`)."""
+    rates = {("heads" if g.get("new", True) else "trunk"): g["lr"] for g in groups}
+    if len(set(rates.values())) == 1:
+        return f"lr {next(iter(rates.values())):.2e}"
+    return "lr " + " ".join(f"{k} {v:.2e}" for k, v in sorted(rates.items()))
+
+
 class StepLines(Callback):
     """A line per `every_n_steps` steps or `every_s` seconds, whichever comes first, and one per
     validation, on rank 0, where no progress bar is drawn on a terminal.
@@ -72,7 +81,7 @@ class StepLines(Callback):
         if heads:
             parts.append("heads " + " ".join(f"{v:.2f}" for _, v in heads))
         if trainer.optimizers:
-            parts.append(f"lr {trainer.optimizers[0].param_groups[0]['lr']:.2e}")
+            parts.append(_rates(trainer.optimizers[0].param_groups))
         dt = now - self.last
         parts.append(f"{self.tokens / max(dt, 1e-9):,.0f} tok/s")
         per_step = (now - self.start) / max(1, step - self.first_step)

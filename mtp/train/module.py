@@ -179,20 +179,39 @@ class MTPModule(L.LightningModule):
             decays = p.dim() >= 2 and id(p) not in embeddings
             groups.setdefault((id(p) in new, decays), []).append(p)
         return [{"params": params, "weight_decay": o.weight_decay if decays else 0.0,
-                 "lr": o.lr if is_new else o.lr * o.pretrained_lr_scale}
+                 "lr": o.lr if is_new else o.lr * o.pretrained_lr_scale, "new": is_new}
                 for (is_new, decays), params in groups.items()]
+
+    def _lr_factors(self, groups: list[dict]) -> list:
+        """Each parameter group's schedule: warmup then cosine, for the pretrained part
+        starting after `--optim.pretrained_delay_steps` steps at rate 0."""
+        o = self.optim_cfg
+        total = o.decay_steps or self.trainer.max_steps
+        delay = o.pretrained_delay_steps
+
+        def new(step: int) -> float:
+            return lr_factor(step, o.warmup_steps, total, o.min_lr_ratio)
+
+        def pretrained(step: int) -> float:
+            if step < delay:
+                return 0.0
+            return lr_factor(step - delay, o.warmup_steps, max(1, total - delay), o.min_lr_ratio)
+
+        return [new if g["new"] or not delay else pretrained for g in groups]
 
     def configure_optimizers(self):
         o = self.optim_cfg
-        optimizer = torch.optim.AdamW(self._param_groups(), lr=o.lr, betas=o.betas, eps=o.eps,
-                                      fused=None)
+        groups = self._param_groups()
+        optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, fused=None)
         total = o.decay_steps or self.trainer.max_steps
         if total is None or total < 1:
             raise ConfigError(f"--trainer.max_steps {self.trainer.max_steps} gives the cosine "
                               "schedule no length: set --trainer.max_steps >= 1 or "
                               "--optim.decay_steps")
-        schedule = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: lr_factor(step, o.warmup_steps, total, o.min_lr_ratio))
+        if o.pretrained_delay_steps >= total:
+            raise ConfigError(f"--optim.pretrained_delay_steps {o.pretrained_delay_steps} leaves "
+                              f"the pretrained part no step of the {total} the schedule has")
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, self._lr_factors(groups))
         return {"optimizer": optimizer,
                 "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
@@ -206,13 +225,15 @@ class MTPModule(L.LightningModule):
         o = self.optim_cfg
         optimizer = self.optimizers().optimizer
         scheduler = self.lr_schedulers()
-        for group, want in zip(optimizer.param_groups, self._param_groups()):
+        wanted = self._param_groups()
+        for group, want in zip(optimizer.param_groups, wanted):
             group.update(initial_lr=want["lr"], weight_decay=want["weight_decay"],
-                         betas=o.betas, eps=o.eps)
+                         betas=o.betas, eps=o.eps, new=want["new"])
         scheduler.base_lrs = [g["initial_lr"] for g in optimizer.param_groups]
-        for group, lr in zip(optimizer.param_groups, scheduler.base_lrs):
-            group["lr"] = lr * lr_factor(scheduler.last_epoch, o.warmup_steps,
-                                         o.decay_steps or self.trainer.max_steps, o.min_lr_ratio)
+        scheduler.lr_lambdas = self._lr_factors(wanted)
+        for group, lr, factor in zip(optimizer.param_groups, scheduler.base_lrs,
+                                     scheduler.lr_lambdas):
+            group["lr"] = lr * factor(scheduler.last_epoch)
         rank_zero_info("resumed with other optimiser settings, now applied: " + ", ".join(
             f"--optim.{k} (checkpoint {a!r}, now {b!r})" for k, (a, b) in changed.items()))
 

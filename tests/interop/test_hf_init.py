@@ -245,6 +245,58 @@ def test_medusa_2_gives_the_pretrained_part_a_smaller_learning_rate():
     assert len(lr_of) == len(list(module.model.parameters()))  # every parameter, once
 
 
+def test_medusa_2_delay_trains_the_new_heads_alone_first():
+    from mtp.config import LossConfig, OptimConfig
+    from mtp.train.module import MTPModule
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_attn_heads=2, n_future=3,
+                      max_seq_len=32)
+    module = MTPModule(cfg, OptimConfig(lr=1e-2, warmup_steps=2, decay_steps=10,
+                                        min_lr_ratio=0.1, weight_decay=0.1,
+                                        pretrained_lr_scale=0.1, pretrained_delay_steps=3),
+                       LossConfig())
+    config = module.configure_optimizers()
+    optimizer, schedule = config["optimizer"], config["lr_scheduler"]["scheduler"]
+    heads = ("heads.1.", "heads.2.")  # heads 2 and 3: new; the rest is pretrained
+    new = {id(p) for n, p in module.model.named_parameters() if n.startswith(heads)}
+    start = {n: p.detach().clone() for n, p in module.model.named_parameters()}
+    window = torch.randint(0, 64, (4, 19))
+    rates = []
+    for step in range(10):
+        rates.append({("new" if id(g["params"][0]) in new else "old"): g["lr"]
+                      for g in optimizer.param_groups})
+        optimizer.zero_grad()
+        mtp_loss(module.model, *module.inputs_targets(window)).loss.backward()
+        optimizer.step()
+        schedule.step()
+        if step == 2:  # three steps: the pretrained part has not moved, decay included
+            for name, p in module.model.named_parameters():
+                assert torch.equal(p, start[name]) != name.startswith(heads), name
+    # heads 2..K: warmup over 2 steps, cosine to a tenth at step 10, as without the delay
+    assert [r["new"] for r in rates[:2]] == pytest.approx([5e-3, 1e-2])
+    # the pretrained part: 0 for 3 steps, then its own warmup and a cosine over the 7 left
+    assert [r["old"] for r in rates[:5]] == pytest.approx([0, 0, 0, 5e-4, 1e-3])
+    assert rates[4]["new"] < 1e-2 and rates[9]["old"] > rates[9]["new"] / 10
+    assert any(not torch.equal(p, start[n]) for n, p in module.model.named_parameters()
+               if n.startswith("blocks."))
+
+
+@pytest.mark.parametrize("flags, why", [
+    (dict(train="heads", pretrained_delay_steps=5), "which --optim.train heads never starts"),
+    (dict(pretrained_delay_steps=-1), "must be >= 0"),
+    (dict(decay_steps=10, pretrained_delay_steps=10), "leaves the pretrained part no step"),
+])
+def test_medusa_2_delay_refuses_what_it_cannot_do(flags, why):
+    from mtp.config import LossConfig, OptimConfig
+    from mtp.train.module import MTPModule
+
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_attn_heads=2, n_future=2,
+                      max_seq_len=32)
+    with pytest.raises(ValueError, match=why):
+        MTPModule(cfg, OptimConfig(**flags), LossConfig()).configure_optimizers()
+
+
 def test_self_targets_are_the_models_own_greedy_predictions():
     from mtp.train.targets import self_targets
 
