@@ -217,6 +217,16 @@ def test_a_ctrl_c_is_one_line_and_exit_status_130(monkeypatch, capsys):
         main(["generate", "--debug"])
 
 
+def test_step_lines_show_the_heads_and_trunk_rates_where_they_differ():
+    from mtp.train.log_lines import _rates
+
+    same = [{"new": True, "lr": 1e-3}, {"new": False, "lr": 1e-3}]
+    assert _rates(same) == "lr 1.00e-03"
+    delayed = [{"new": False, "lr": 0.0}, {"new": True, "lr": 1e-3}, {"new": True, "lr": 1e-3}]
+    assert _rates(delayed) == "lr heads 1.00e-03 trunk 0.00e+00"
+    assert _rates([{"lr": 2e-4}]) == "lr 2.00e-04"  # groups of a run saved before the key
+
+
 def test_mtp_fit_end_to_end(tiny_corpus, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     code = main(["fit", "--config", str(REPO / "configs" / "debug.yaml"),
