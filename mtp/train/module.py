@@ -197,7 +197,7 @@ class MTPModule(L.LightningModule):
                 return 0.0
             return lr_factor(step - delay, o.warmup_steps, max(1, total - delay), o.min_lr_ratio)
 
-        return [new if g["new"] or not delay else pretrained for g in groups]
+        return [new if g["new"] else pretrained for g in groups]
 
     def configure_optimizers(self):
         o = self.optim_cfg
