@@ -34,9 +34,8 @@ from __future__ import annotations
 
 import torch
 
-from mtp.decoding.drafters import Drafter, tree_origins, tree_tensors
+from mtp.decoding.drafters import Drafter, DraftVocab, tree_origins, tree_tensors
 from mtp.decoding.engine import Context, Proposal, Verified
-from mtp.decoding.sampling import multinomial
 from mtp.decoding.tree import DynamicTree, Expansion, Tree, TreeTensors, place_children
 from mtp.model.transformer import MTPTransformer
 
@@ -63,8 +62,7 @@ class CascadedHeads(Drafter):
         # the tree (or chain) of a round with n drafts, and its nodes' origins: depth d, head d + 1
         self.by_depth: dict[int, tuple[TreeTensors, torch.Tensor]] = {}
         self.by_shape: dict = {}  # a dynamic round's tree -> `tree_tensors`
-        # a draft vocabulary's unembedding rows, gathered once per decode, not once per level
-        self.rows = model.head_unembed(1).detach() if model.cfg.draft_vocab else None
+        self.vocab = DraftVocab(model)  # the draft vocabulary's rows, gathered once per decode
 
     @property
     def slots_needed(self) -> int:
@@ -158,16 +156,9 @@ class CascadedHeads(Drafter):
     def _children(self, ctx: Context, hidden: torch.Tensor, width: int):
         """Children of nodes with depth outputs `hidden` (B, T, d): their top-`width` tokens
         (B, T, width), and for a sampled chain the draws' distribution (B, T, V)."""
-        logits = self.model.draft_logits(self.model.head_norm(hidden), self.rows)
-        if self.dynamic is not None:  # the candidates and their probabilities
-            probs, kids = logits.float().softmax(-1).topk(width, dim=-1)
-            return kids, probs
-        if self.tree is not None:
-            return logits.topk(width, dim=-1).indices, None
-        if ctx.sampling.greedy:
-            return logits.argmax(-1, keepdim=True), None
-        q = ctx.sampling.probs(logits)
-        return multinomial(q, ctx.generator)[..., None], q
+        return self.vocab.children(ctx, self.model.head_norm(hidden), width,
+                                   chances=self.dynamic is not None,
+                                   ranked=self.tree is not None)
 
     def _grow(self, ctx: Context, pending: torch.Tensor, tt: TreeTensors, n: int):
         """The tree's tokens (B, N+1), level by level, and for a sampled chain q (B, n, V)."""

@@ -48,8 +48,62 @@ from mtp.decoding.stacked import stacked_heads
 from mtp.decoding.tree import DynamicTree, Tree, TreeTensors
 from mtp.model.transformer import MTPTransformer
 
-__all__ = ["DraftModel", "Drafter", "Oracle", "ParallelHeads", "ParallelHeadsDynamicTree",
-           "ParallelHeadsTree", "chain_origins", "tree_origins", "tree_tensors"]
+__all__ = ["DraftModel", "DraftVocab", "Drafter", "Oracle", "ParallelHeads",
+           "ParallelHeadsDynamicTree", "ParallelHeadsTree", "chain_origins", "tree_origins",
+           "tree_tensors"]
+
+
+class DraftVocab:
+    """What heads 2..K draft from their normalised hidden states z (..., d): their likeliest
+    tokens, with or without the chances, computed over the draft vocabulary alone where the
+    model has one (`--model.draft_vocab`): its Vd unembedding rows, gathered once per decode,
+    and no (..., V) tensor of -inf besides, which is most of a level's cost at batch 1. Only
+    sampling, whose acceptance rule needs q over the whole vocabulary, takes `logits`."""
+
+    def __init__(self, model: MTPTransformer) -> None:
+        self.model = model
+        self.rows = model.head_unembed(1).detach() if model.cfg.draft_vocab else None
+        self.ids = model.draft_ids if model.cfg.draft_vocab else None  # column -> token id
+
+    def scores(self, z: torch.Tensor) -> torch.Tensor:
+        """Logits (..., Vd) over the draft vocabulary (the whole one without it)."""
+        return self.model.unembed(z) if self.rows is None else z @ self.rows.T
+
+    def _tokens(self, columns: torch.Tensor) -> torch.Tensor:
+        return columns if self.ids is None else self.ids[columns]
+
+    def top(self, z: torch.Tensor, width: int) -> torch.Tensor:
+        """The `width` likeliest tokens (..., width), likeliest first."""
+        return self._tokens(self.scores(z).topk(width, dim=-1).indices)
+
+    def top_chances(self, z: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The `width` likeliest tokens' probabilities and ids, each (..., width)."""
+        probs, columns = self.scores(z).float().softmax(-1).topk(width, dim=-1)
+        return probs, self._tokens(columns)
+
+    def argmax(self, z: torch.Tensor) -> torch.Tensor:
+        """The likeliest token (...,)."""
+        return self._tokens(self.scores(z).argmax(-1))
+
+    def logits(self, z: torch.Tensor) -> torch.Tensor:
+        """Logits (..., V) over the whole vocabulary, -inf outside the draft vocabulary."""
+        return self.model.draft_logits(z, self.rows)
+
+    def children(self, ctx: Context, z: torch.Tensor, width: int, *, chances: bool,
+                 ranked: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The drafts that follow nodes of states z (B, T, d), for drafters that draft a level
+        at a time: with `chances`, the top `width` and their probabilities (a dynamic tree);
+        with `ranked`, the top `width` (a tree); else one per node (B, T, 1), the argmax when
+        greedy, or a draw with the distribution it was drawn from (B, T, V)."""
+        if chances:
+            probs, kids = self.top_chances(z, width)
+            return kids, probs
+        if ranked:
+            return self.top(z, width), None
+        if ctx.sampling.greedy:
+            return self.argmax(z)[..., None], None
+        q = ctx.sampling.probs(self.logits(z))
+        return multinomial(q, ctx.generator)[..., None], q
 
 
 def chain_origins(code: int, n: int, device: torch.device) -> torch.Tensor:
@@ -116,6 +170,7 @@ class ParallelHeads(Drafter):
 
     def __init__(self, model: MTPTransformer, heads: int) -> None:
         self.stacked = stacked_heads(model, heads)
+        self.vocab = DraftVocab(model)
         self.max_drafts = heads - 1
         self.drafts = self.q = None
         # node j of the chain is head j + 1's draft
@@ -147,17 +202,17 @@ class ParallelHeads(Drafter):
         slots = cache.lengths[:, None] + torch.arange(t, device=h.device)
         out = self.stacked(h, (cos, sin), cache, slots, chain_mask(cache.lengths, t))
         hidden = out[:, torch.arange(len(last), device=h.device), last]  # (h-1, B, d)
-        logits = self.stacked.logits(hidden.transpose(0, 1))  # (B, h-1, V)
-        self._draft(ctx, logits)
+        self._draft(ctx, hidden.transpose(0, 1))
         ctx.timer.lap("draft")
 
-    def _draft(self, ctx: Context, logits: torch.Tensor) -> None:
-        """One draft per head (B, h-1): the argmax when greedy, else a draw from the head's
-        filtered distribution q (B, h-1, V), which the acceptance rule needs."""
+    def _draft(self, ctx: Context, z: torch.Tensor) -> None:
+        """One draft per head (B, h-1) from their normalised states z (B, h-1, d): the argmax
+        when greedy, else a draw from the head's filtered distribution q (B, h-1, V), which the
+        acceptance rule needs."""
         if ctx.sampling.greedy:
-            self.drafts = logits.argmax(-1)
+            self.drafts = self.vocab.argmax(z)
         else:
-            self.q = ctx.sampling.probs(logits)
+            self.q = ctx.sampling.probs(self.vocab.logits(z))
             self.drafts = multinomial(self.q, ctx.generator)
 
     def start(self, ctx, prompts, trunk, pending) -> None:
@@ -240,8 +295,8 @@ class ParallelHeadsTree(ParallelHeads):
         if self.lookup is not None:
             self.lookup.start(prompts)
 
-    def _draft(self, ctx, logits) -> None:
-        self.drafts = logits.topk(self.top, dim=-1).indices  # (B, h-1, top)
+    def _draft(self, ctx, z) -> None:
+        self.drafts = self.vocab.top(z, self.top)  # (B, h-1, top)
 
     def _round_tree(self, ctx: Context, n: int, m: int) -> Tree:
         """The tree of a round with at most n levels and a lookup branch of m tokens."""
@@ -289,8 +344,8 @@ class ParallelHeadsDynamicTree(ParallelHeadsTree):
         self.seconds = verify_seconds(ctx.model, len(prompts), self.slots_needed)
         super().start(ctx, prompts, trunk, pending)
 
-    def _draft(self, ctx, logits) -> None:
-        probs, self.drafts = logits.float().softmax(-1).topk(self.top, dim=-1)  # (B, h-1, top)
+    def _draft(self, ctx, z) -> None:
+        probs, self.drafts = self.vocab.top_chances(z, self.top)  # (B, h-1, top)
         self.chances = probs.mean(0)  # one tree for the batch: the rows' chances averaged
 
     def _round_tree(self, ctx: Context, n: int, m: int) -> Tree:

@@ -26,9 +26,8 @@ from __future__ import annotations
 
 import torch
 
-from mtp.decoding.drafters import Drafter, tree_tensors
+from mtp.decoding.drafters import Drafter, DraftVocab, tree_tensors
 from mtp.decoding.engine import Context, Proposal, chain_mask
-from mtp.decoding.sampling import multinomial
 from mtp.decoding.tree import DynamicTree, Expansion, Tree, TreeTensors, place_children
 from mtp.model.transformer import MTPTransformer
 
@@ -55,8 +54,7 @@ class EagleHeads(Drafter):
         self.depth = heads - 1 if self.tree is None else self.tree.depth
         self.max_drafts = max(self.depth, lookup.tokens if lookup is not None else 0)
         self.by_shape: dict = {}  # a round's tree and lookup length -> `tree_tensors`
-        # a draft vocabulary's unembedding rows, gathered once per decode, not once per level
-        self.rows = model.head_unembed(1).detach() if model.cfg.draft_vocab else None
+        self.vocab = DraftVocab(model)  # the draft vocabulary's rows, gathered once per decode
         self.root: torch.Tensor | None = None  # (B, d): the cell at L - 1 of each row
 
     @property
@@ -139,16 +137,9 @@ class EagleHeads(Drafter):
     def _children(self, ctx: Context, hidden: torch.Tensor, width: int):
         """Children of nodes with cell outputs `hidden` (B, T, d): their top-`width` tokens
         (B, T, width), and for a sampled chain the draws' distribution (B, T, V)."""
-        logits = self.model.draft_logits(self.model.head_norm(hidden), self.rows)
-        if self.dynamic is not None:  # the candidates and their probabilities
-            probs, kids = logits.float().softmax(-1).topk(width, dim=-1)
-            return kids, probs
-        if self.tree is not None or self.lookup is not None:
-            return logits.topk(width, dim=-1).indices, None
-        if ctx.sampling.greedy:
-            return logits.argmax(-1, keepdim=True), None
-        q = ctx.sampling.probs(logits)
-        return multinomial(q, ctx.generator)[..., None], q
+        return self.vocab.children(ctx, self.model.head_norm(hidden), width,
+                                   chances=self.dynamic is not None,
+                                   ranked=self.tree is not None or self.lookup is not None)
 
     def _grow(self, ctx: Context, pending: torch.Tensor, tt: TreeTensors, nodes: int, n: int):
         """The heads' tree's tokens (B, nodes), level by level, and for a sampled chain

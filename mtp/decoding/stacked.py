@@ -83,8 +83,6 @@ class StackedHeads:
         self.first_layer = model.head_layers[1] if heads > 1 else None  # cache layer of head 2
         self.cached = self.first_layer is not None  # linear and medusa heads keep no keys
         self.stacked = stack_blocks(list(model.heads[1:heads])) if self.n else None
-        # a draft vocabulary's unembedding rows, gathered once (`MTPTransformer.draft_logits`)
-        self.rows = model.head_unembed(1).detach() if self.n and model.cfg.draft_vocab else None
 
     def __call__(
         self,
@@ -103,10 +101,6 @@ class StackedHeads:
         x = self.model.head_input(h)  # the heads' input, once for all of them
         return self.model.head_norm(self.stacked(x.expand(self.n, *x.shape), *rope, kv, slots,
                                                  mask))
-
-    def logits(self, z: torch.Tensor) -> torch.Tensor:
-        """Draft logits (..., V) of normalised head states z (..., d)."""
-        return self.model.draft_logits(z, self.rows)
 
 
 _BUILT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -173,36 +173,45 @@ class DynamicTree:
         most = 1 + top * max(levels - 1, 0)  # the root and every node expanded
         anc = torch.eye(most, dtype=torch.bool, device=dev)  # among expanded nodes
         level_of = torch.zeros(most, dtype=torch.long, device=dev)
-        # the candidates: path of ranks -> (token (B,), chance (B,), parent expanded index)
-        seen: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor, int]] = {}
+        # the candidates seen, level by level: their paths of ranks, tokens (B, n) and chances
+        # (the rows' mean), each level's as one tensor: a round costs a few ops per level
         kids, probs = first
-        frontier = [((r,), kids[:, 0, r], probs[:, 0, r], 0) for r in range(top)]
+        paths = [(r,) for r in range(top)]  # the frontier: the level's candidates
+        tokens, chance = kids[:, 0], probs[:, 0]  # (B, n) each
+        parent = [0] * top  # each candidate's parent's expansion index
+        seen_paths: list[tuple[int, ...]] = []
+        seen_tokens, seen_chances = [], []
         expanded = 1
         for level in range(1, levels + 1):
-            for path, token, chance, parent in frontier:
-                seen[path] = token, chance, parent
+            mean = chance.mean(0).tolist()
+            seen_paths += paths
+            seen_tokens.append(tokens)
+            seen_chances += mean
             if level == levels:
                 break
-            frontier.sort(key=lambda c: -float(c[2].mean()))
-            pick = frontier[:top]
+            pick = sorted(range(len(paths)), key=lambda i: -mean[i])[:top]
             idx = torch.arange(expanded, expanded + len(pick), device=dev)
             expanded += len(pick)
-            parents = [p for *_, p in pick]
-            for e, parent in zip(idx.tolist(), parents):
-                anc[e] |= anc[parent]
+            parents = [parent[i] for i in pick]
+            for e, p in zip(idx.tolist(), parents):
+                anc[e] |= anc[p]
             level_of[idx] = level
-            kids, probs = expand(Expansion(level, idx, parents,
-                                           torch.stack([t for _, t, _, _ in pick], 1), anc,
-                                           level_of))
-            frontier = [(path + (r,), kids[:, i, r], chance * probs[:, i, r], e)
-                        for i, ((path, _, chance, _), e) in enumerate(zip(pick, idx.tolist()))
-                        for r in range(top)]
+            sel = torch.tensor(pick, device=dev)
+            kids, probs = expand(Expansion(level, idx, parents, tokens[:, sel], anc, level_of))
+            paths = [paths[i] + (r,) for i in pick for r in range(top)]
+            tokens = kids.flatten(1)  # (B, picked * top), each picked node's children in turn
+            chance = (chance[:, sel, None] * probs).flatten(1)
+            parent = [e for e in idx.tolist() for _ in range(top)]
         # the likeliest first; a child is never likelier than its parent, and ties go to the
         # shallower, so every prefix is a tree
-        ranked = sorted(seen, key=lambda p: (-float(seen[p][1].mean()), len(p)))
-        tree = Tree.from_paths(ranked[:self.choose([float(seen[p][1].mean()) for p in ranked],
-                                                   seconds)])
-        return torch.stack([pending, *(seen[p][0] for p in tree.paths[1:])], 1), tree
+        ranked = sorted(range(len(seen_paths)),
+                        key=lambda j: (-seen_chances[j], len(seen_paths[j])))
+        n = self.choose([seen_chances[j] for j in ranked], seconds)
+        tree = Tree.from_paths([seen_paths[j] for j in ranked[:n]])
+        column = {p: j for j, p in enumerate(seen_paths)}
+        every = torch.cat(seen_tokens, dim=1)  # (B, candidates seen)
+        chosen = torch.tensor([column[p] for p in tree.paths[1:]], dtype=torch.long, device=dev)
+        return torch.cat([pending[:, None], every[:, chosen]], dim=1), tree
 
     def choose(self, chances: Sequence[float], seconds: Sequence[float]) -> int:
         """How many of the nodes of `chances` (likeliest first, every prefix a tree) to verify:

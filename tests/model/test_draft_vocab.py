@@ -117,6 +117,28 @@ def test_speculative_greedy_equals_greedy_with_a_draft_vocabulary(head_type, dec
     assert drafted <= set(model.draft_ids.tolist())
 
 
+@pytest.mark.parametrize("draft_vocab", [17, None])
+def test_drafts_over_the_draft_vocabulary_are_those_of_the_whole_logits(draft_vocab):
+    """`DraftVocab` ranks the draft vocabulary's columns alone; the reference is the logits over
+    the whole vocabulary, -inf outside it (`draft_logits`), softmaxed and ranked there."""
+    from mtp.decoding.drafters import DraftVocab
+
+    model = _model("block") if draft_vocab else random_model(3, head_type="block")
+    vocab = DraftVocab(model)
+    z = model.head_norm(torch.randn(2, 5, model.cfg.d_model))
+    with torch.no_grad():
+        logits = model.draft_logits(z)  # (2, 5, V)
+        ref_probs, ref_ids = logits.float().softmax(-1).topk(4, dim=-1)
+        probs, ids = vocab.top_chances(z, 4)
+        assert torch.equal(ids, ref_ids)
+        torch.testing.assert_close(probs, ref_probs)
+        assert torch.equal(vocab.top(z, 4), ref_ids)
+        assert torch.equal(vocab.argmax(z), logits.argmax(-1))
+        assert torch.equal(vocab.logits(z), logits)
+    if draft_vocab:
+        assert set(ids.flatten().tolist()) <= set(model.draft_ids.tolist())
+
+
 def test_speculative_sampling_with_a_draft_vocabulary_is_exact():
     model, prompt, joint = tiny_model(draft_vocab=V_TINY - 1)
     model.draft_ids.copy_(torch.tensor([3, 0, 2]))  # token 1 is never drafted
