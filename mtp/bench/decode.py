@@ -494,8 +494,10 @@ def _rows(configs: list[_Config], bare_ms: dict[tuple[str, int, int], float], n_
     rows = []
     for c in configs:
         simulated = dict.fromkeys(["sim_L_text", "sim_L_greedy"])
-        if sim and c.decoder == "self-spec" and not c.adaptive and not c.request.lookup:
-            h = c.request.heads
+        h = c.request.heads if c.request is not None else None
+        # (eagle's layer may draft past the K - 1 steps the simulation scores)
+        if sim and c.decoder == "self-spec" and not c.adaptive and not c.request.lookup and \
+                all(h - 1 <= len(chain) for chain, _ in sim.values()):
             simulated.update({f"sim_L_{name}": round(1 + chain[:h - 1].sum().item(), 3)
                               for name, (chain, _) in sim.items()})
         s = c.stats

@@ -63,6 +63,7 @@ class CascadedHeads(Drafter):
         self.by_depth: dict[int, tuple[TreeTensors, torch.Tensor]] = {}
         self.by_shape: dict = {}  # a dynamic round's tree -> `tree_tensors`
         self.vocab = DraftVocab(model)  # the draft vocabulary's rows, gathered once per decode
+        self.layers = self.vocab.linear
 
     @property
     def slots_needed(self) -> int:

@@ -56,18 +56,26 @@ __all__ = ["DraftModel", "DraftVocab", "Drafter", "Oracle", "ParallelHeads",
 class DraftVocab:
     """What heads 2..K draft from their normalised hidden states z (..., d): their likeliest
     tokens, with or without the chances, computed over the draft vocabulary alone where the
-    model has one (`--model.draft_vocab`): its Vd unembedding rows, gathered once per decode,
-    and no (..., V) tensor of -inf besides, which is most of a level's cost at batch 1. Only
-    sampling, whose acceptance rule needs q over the whole vocabulary, takes `logits`."""
+    model has one (`--model.draft_vocab`): its Vd unembedding rows, gathered once per decode
+    into a linear layer that multiplies on the machine's chosen path like the model's own
+    (`Drafter.layers`, `mtp.decoding.arithmetic.decode_linears`), and no (..., V) tensor of -inf
+    besides. At batch 1 those were most of a draft level's cost: reading the rows through a
+    general matrix product, and ranking the whole vocabulary. Only sampling, whose acceptance
+    rule needs q over the whole vocabulary, takes `logits`."""
 
     def __init__(self, model: MTPTransformer) -> None:
         self.model = model
-        self.rows = model.head_unembed(1).detach() if model.cfg.draft_vocab else None
-        self.ids = model.draft_ids if model.cfg.draft_vocab else None  # column -> token id
+        self.rows = self.linear = self.ids = None
+        if model.cfg.draft_vocab:
+            self.rows = model.head_unembed(1).detach()  # (Vd, d)
+            self.linear = torch.nn.Linear(*self.rows.shape[::-1], bias=False,
+                                          device=self.rows.device, dtype=self.rows.dtype)
+            self.linear.weight = torch.nn.Parameter(self.rows, requires_grad=False)
+            self.ids = model.draft_ids  # column -> token id
 
     def scores(self, z: torch.Tensor) -> torch.Tensor:
         """Logits (..., Vd) over the draft vocabulary (the whole one without it)."""
-        return self.model.unembed(z) if self.rows is None else z @ self.rows.T
+        return self.model.unembed(z) if self.linear is None else self.linear(z)
 
     def _tokens(self, columns: torch.Tensor) -> torch.Tensor:
         return columns if self.ids is None else self.ids[columns]
@@ -142,6 +150,9 @@ class Drafter:
     deferred = 0.0
     """Seconds of the last round spent on work deferred from earlier rounds (heads 2..h catching
     up on tokens committed without drafting): not the cost of the round's own choice."""
+    layers: torch.nn.Module | None = None
+    """The drafter's own layers, outside the model (a draft vocabulary's rows, `DraftVocab`),
+    which decode on the machine's chosen paths with the model's (`decode_linears`)."""
 
     @property
     def slots_needed(self) -> int:
@@ -171,6 +182,7 @@ class ParallelHeads(Drafter):
     def __init__(self, model: MTPTransformer, heads: int) -> None:
         self.stacked = stacked_heads(model, heads)
         self.vocab = DraftVocab(model)
+        self.layers = self.vocab.linear
         self.max_drafts = heads - 1
         self.drafts = self.q = None
         # node j of the chain is head j + 1's draft

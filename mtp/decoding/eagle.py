@@ -55,6 +55,7 @@ class EagleHeads(Drafter):
         self.max_drafts = max(self.depth, lookup.tokens if lookup is not None else 0)
         self.by_shape: dict = {}  # a round's tree and lookup length -> `tree_tensors`
         self.vocab = DraftVocab(model)  # the draft vocabulary's rows, gathered once per decode
+        self.layers = self.vocab.linear
         self.root: torch.Tensor | None = None  # (B, d): the cell at L - 1 of each row
 
     @property
@@ -158,7 +159,7 @@ class EagleHeads(Drafter):
                 slots = lengths[:, None] + idx - 1  # scratch past the committed cells
                 rope = self.model.rotary(pos)
                 out[:, idx] = self.model.head_output(
-                    level + 1, out[:, tt.parent[idx]], rope, tokens=tokens[:, idx],
+                    self._step(level), out[:, tt.parent[idx]], rope, tokens=tokens[:, idx],
                     cache=ctx.cache, slots=slots,
                     mask=self._mask(tt.ancestors, idx, lengths, nodes))
             kids, q = self._children(ctx, out[:, idx], self.top)
@@ -177,7 +178,7 @@ class EagleHeads(Drafter):
         def expand(x: Expansion) -> tuple[torch.Tensor, torch.Tensor]:
             pos = (lengths + x.level - 1)[:, None].expand(-1, len(x.parents))
             out = self.model.head_output(
-                x.level + 1, torch.stack([outs[p] for p in x.parents], 1),
+                self._step(x.level), torch.stack([outs[p] for p in x.parents], 1),
                 self.model.rotary(pos), tokens=x.tokens, cache=ctx.cache,
                 slots=lengths[:, None] + x.idx - 1,
                 mask=self._mask(x.ancestors, x.idx, lengths, len(x.ancestors)))
@@ -187,6 +188,12 @@ class EagleHeads(Drafter):
         return self.dynamic.grow_by_levels(self.top, levels, pending,
                                            self._children(ctx, self.root[:, None], self.top),
                                            expand, self.seconds[m:])
+
+    def _step(self, level: int) -> int:
+        """The head (0-based) that drafts a node of `level` >= 1 from its parent: step level + 1
+        of the chain, which is eagle's one layer at every step, also past the K - 1 steps it
+        was trained unrolled over (`UNROLLED_MAX_HEADS`)."""
+        return min(level + 1, self.model.cfg.n_future - 1)
 
     @staticmethod
     def _mask(ancestors: torch.Tensor, idx: torch.Tensor, lengths: torch.Tensor,

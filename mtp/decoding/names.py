@@ -13,6 +13,11 @@ LOOKUP_TOKENS = 10
 #: The decoders that draft with the model's own heads 2..h.
 HEAD_DECODERS = ("self-spec", "tree")
 
+#: The most heads (h; h - 1 draft steps) eagle's one layer drafts with (`--model.head_type
+#: eagle`): it runs once per step, so it drafts deeper than the K - 1 steps it was trained
+#: unrolled over where asked (EAGLE drafts 5 to 6 deep from a layer trained on fewer steps).
+UNROLLED_MAX_HEADS = 16
+
 #: The products a decode forward's linear layers can run on (`mtp.decoding.arithmetic`).
 LINEAR_PATHS = ("plain", "onednn", "mkl")
 

@@ -17,7 +17,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from mtp.decoding.names import DECODERS, HEAD_DECODERS, LOOKUP_TOKENS
+from mtp.decoding.names import DECODERS, HEAD_DECODERS, LOOKUP_TOKENS, UNROLLED_MAX_HEADS
 from mtp.decoding.tree import DynamicTree, Tree
 from mtp.model.transformer import MTPTransformer
 from mtp.util.errors import UserError
@@ -205,7 +205,12 @@ class DecodeRequest:
             if d in HEAD_DECODERS and k == 1:
                 bad("decoder", "{decoder} {got} drafts with heads 2..K, but {model} has a single "
                     "head (--model.n_future 1); use greedy, sample, draft or lookup", got=d)
-            elif self.heads is not None and not 1 <= self.heads <= k:
+            elif self.heads is not None and model.unrolled and \
+                    not 1 <= self.heads <= max(k, UNROLLED_MAX_HEADS):
+                bad("heads", "{heads} must lie in [1, {n}]: eagle's layer drafts up to {steps} "
+                    "steps (got {got})", n=max(k, UNROLLED_MAX_HEADS),
+                    steps=max(k, UNROLLED_MAX_HEADS) - 1, got=self.heads)
+            elif self.heads is not None and not model.unrolled and not 1 <= self.heads <= k:
                 bad("heads", "{heads} must lie in [1, {k}]: {model} has {k} heads (got {got})",
                     k=k, got=self.heads)
             if self.lookup > 0 and d in HEAD_DECODERS and model.cascaded and \

@@ -281,7 +281,8 @@ class MTPTransformer(nn.Module):
         unseen) and head i reads tokens[i - 1], e.g. the targets (K, B, T) of
         `mtp.train.targets.mtp_inputs_targets`. `cache`, `slots` and `mask` are `head_output`'s;
         `eagle` heads unroll without a cache (`EagleLayer.unrolled`), step i at positions i - 1
-        further on, each output the feature the next step reads."""
+        further on, each output the feature the next step reads; their one layer runs as many
+        steps as `heads` asks, also past K."""
         x, past = h, []
         for i in range(self.cfg.n_future if heads is None else heads):
             if i < start and not self.cascaded:
@@ -291,9 +292,9 @@ class MTPTransformer(nn.Module):
                     raise ValueError("eagle heads draft through mtp.decoding.eagle")
                 rope_i = shift_rope(*rope, self.rope_cos, self.rope_sin, i - 1)
                 # step 1 reads the trunk output whole (its feature layers too), not head 1's part
-                out, kv = self.heads[i].unrolled(h if i == 1 else x,
-                                                 self.embed(tokens[i - 1].clamp(min=0)),
-                                                 *rope_i, past)
+                layer = self.heads[min(i, len(self.heads) - 1)]  # the one layer, every step
+                out, kv = layer.unrolled(h if i == 1 else x,
+                                         self.embed(tokens[i - 1].clamp(min=0)), *rope_i, past)
                 past.append(kv)
             else:
                 out = self.head_output(i, x if self.cascaded else h, rope,
@@ -314,7 +315,8 @@ class MTPTransformer(nn.Module):
         mask: torch.Tensor | None = None,
         heads_fn: Callable[[torch.Tensor, tuple[torch.Tensor, torch.Tensor]], T_out] | None = None,
     ) -> torch.Tensor | T_out:
-        """Logits (heads, B, T, V) of the first `heads` heads (default all K); with a draft
+        """Logits (heads, B, T, V) of the first `heads` heads (default all K; for `eagle`, whose
+        one layer runs once per step, any number: steps past K run it further); with a draft
         vocabulary, heads 2..K's are -inf outside it (`draft_logits`). `positions`, `cache`,
         `slots` and `mask` are `trunk`'s, and reach the heads' cache layers too.
 
@@ -329,7 +331,7 @@ class MTPTransformer(nn.Module):
         (FSDP's root unit) see one forward of the whole model.
         """
         heads = self.cfg.n_future if heads is None else heads
-        if not 1 <= heads <= self.cfg.n_future:
+        if heads < 1 or heads > self.cfg.n_future and not self.unrolled:  # eagle: any depth
             raise ValueError(f"heads must be in [1, {self.cfg.n_future}] (got {heads})")
         h, rope = self.trunk(idx, positions=positions, cache=cache, slots=slots, mask=mask)
         if heads_fn is not None:

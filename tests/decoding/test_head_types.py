@@ -104,8 +104,9 @@ def test_cascaded_speculative_sampling_is_exact(decoder, kwargs, head_type):
 
 def _teacher_forced(model, seq: list[int], head: int) -> torch.Tensor:
     """Logits of head `head` (0-based) at the position before seq's last `head` tokens: the
-    model's plain forward, teacher-forced on seq (no cache, no drafter)."""
-    logits = model(torch.tensor([seq]))  # (K, 1, T, V)
+    model's plain forward, teacher-forced on seq (no cache, no drafter); eagle's layer is
+    unrolled as far as `head` asks, past K too."""
+    logits = model(torch.tensor([seq]), heads=max(head + 1, model.cfg.n_future))  # (h, 1, T, V)
     return logits[head, 0, len(seq) - 1 - head]
 
 
@@ -193,6 +194,32 @@ def _check_chain_drafts(monkeypatch, drafter, model, prompts, checked: list) -> 
         return prop
 
     monkeypatch.setattr(drafter, "propose", checking)
+
+
+def test_eagle_drafts_past_the_steps_it_was_trained_over(monkeypatch):
+    """Eagle's one layer drafts h - 1 >= K steps when asked (`UNROLLED_MAX_HEADS`): each chain
+    draft d_i is the argmax of the layer unrolled i steps, teacher-forced on the text and
+    d1 .. d_(i-1), as the plain forward computes it; every decoder's output equals greedy's."""
+    from mtp.decoding.names import UNROLLED_MAX_HEADS
+    from mtp.decoding.request import RequestError
+    from mtp.decoding.tree import DynamicTree
+
+    full, _ = _trained("eagle")
+    k = full.cfg.n_future
+    prompts = cyclic_prompts(full, 6, seed=8) + [[3]]
+    ref, _ = generate(full, prompts, 24)
+    checked = []
+    with monkeypatch.context() as m:
+        _check_chain_drafts(m, eagle.EagleHeads, full, prompts, checked)
+        out, stats = generate(full, prompts, 24, decoder="self-spec", heads=k + 2)
+    assert out == ref
+    assert len(stats.acceptance) == k + 1  # depths past K - 1 were drafted and verified
+    assert stats.taken[k - 1] > 0 and len(checked) > 100
+    for tree in (Tree.from_widths([2, 1, 1, 1, 1]), DynamicTree(max_nodes=12, top=3)):
+        assert generate(full, prompts, 24, decoder="tree", heads=k + 2, tree=tree)[0] == ref
+    assert generate(full, prompts, 24, decoder="self-spec", heads=k + 2, lookup=4)[0] == ref
+    with pytest.raises(RequestError, match="heads must lie in"):
+        generate(full, prompts, 4, decoder="self-spec", heads=UNROLLED_MAX_HEADS + 1)
 
 
 def test_eagle_with_feature_layers_drafts_its_teacher_forced_chain(monkeypatch):
