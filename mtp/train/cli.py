@@ -79,9 +79,12 @@ def run_config(namespace) -> RunConfig:
                      compile=CompileConfig(**namespace.compile))
 
 
-def default_callbacks(n_future: int, *, checkpoints: bool = True, logger: bool = True) -> list:
-    """Checkpoints (the best next-token loss, and ``last.ckpt`` at every validation whether or
-    not the loss improved), learning rate, tokens per second and MFU,
+def default_callbacks(n_future: int, *, checkpoints: bool = True, logger: bool = True,
+                      heads_only: bool = False) -> list:
+    """Checkpoints (the best next-token loss, or where only heads 2..K train (`heads_only`:
+    head 1 and its loss stay as they were) the most simulated tokens per forward; and
+    ``last.ckpt`` at every validation whether or not it improved), learning rate, tokens per
+    second and MFU,
     and plain progress lines where no progress bar is drawn on a terminal (`mtp.train.log_lines`);
     without checkpointing (`--trainer.enable_checkpointing false`) no checkpoints, and without
     a logger (`--trainer.logger false`) nothing that only logs.
@@ -91,8 +94,9 @@ def default_callbacks(n_future: int, *, checkpoints: bool = True, logger: bool =
     callbacks: list = [StepLines()]
     if checkpoints:
         # NOTE: not `save_last=True`, which refreshes last.ckpt only with a new best
-        callbacks += [ModelCheckpoint(monitor="val/next_token_loss", mode="min",
-                                      filename="best-{step}"),
+        best = ("val/sim_tokens_per_forward", "max") if heads_only and n_future > 1 else \
+            ("val/next_token_loss", "min")
+        callbacks += [ModelCheckpoint(monitor=best[0], mode=best[1], filename="best-{step}"),
                       ModelCheckpoint(filename=LAST.removesuffix(".ckpt"), save_top_k=1,
                                       enable_version_counter=False)]
     if logger:
@@ -174,7 +178,8 @@ class MTPCLI(LightningCLI):
                                            eot_token=run.model.eot_token)
         self.trainer_defaults = {**self.trainer_defaults, "callbacks": [*default_callbacks(
             run.model.n_future, checkpoints=c.trainer.enable_checkpointing is not False,
-            logger=c.trainer.logger not in (False, None)), TokenizerInCheckpoint(self.datamodule),
+            logger=c.trainer.logger not in (False, None), heads_only=run.optim.train == "heads"),
+            TokenizerInCheckpoint(self.datamodule),
             self.interrupt]}
         if c.trainer.strategy == "fsdp":  # FSDP2 on CPU and GPU alike (mtp.train.parallel)
             from mtp.train.parallel import FSDPStrategy

@@ -44,3 +44,21 @@ def test_last_ckpt_is_the_latest_state_after_every_save_though_the_loss_rises(
     assert [p.name for p in folder.iterdir()] == ["last.ckpt"] and \
         ckpt_step(folder / "last.ckpt") == 1
     assert "(best)" not in capsys.readouterr().out
+
+
+def test_with_the_heads_alone_training_the_best_checkpoint_has_the_most_tokens_per_forward(
+        tiny_corpus, cache, tmp_path, monkeypatch):
+    """`--optim.train heads` leaves head 1 and its loss as they were: the best checkpoint is the
+    validation of most simulated tokens per forward, not the first one."""
+    from mtp.train.module import MTPModule
+
+    def heads_improve(module, batch, batch_idx):  # head 1 unchanged; the heads best at step 4
+        module.log("val/next_token_loss", 3.0)
+        module.log("val/sim_tokens_per_forward", {2: 1.2, 4: 1.5, 6: 1.4}[module.global_step])
+
+    monkeypatch.setattr(MTPModule, "validation_step", heads_improve)
+    monkeypatch.chdir(tmp_path)
+    assert main(fit_args(tiny_corpus, cache, "--trainer.max_steps", "6",
+                         "--optim.train", "heads")) == 0
+    folder = tmp_path / "runs" / "mtp" / "version_0" / "checkpoints"
+    assert sorted(p.name for p in folder.iterdir()) == ["best-step=4.ckpt", "last.ckpt"]
