@@ -65,12 +65,12 @@ class DraftVocab:
 
     def __init__(self, model: MTPTransformer) -> None:
         self.model = model
-        self.rows = self.linear = self.ids = None
+        self.linear = self.ids = None
         if model.cfg.draft_vocab:
-            self.rows = model.head_unembed(1).detach()  # (Vd, d)
-            self.linear = torch.nn.Linear(*self.rows.shape[::-1], bias=False,
-                                          device=self.rows.device, dtype=self.rows.dtype)
-            self.linear.weight = torch.nn.Parameter(self.rows, requires_grad=False)
+            rows = model.head_unembed(1).detach()  # (Vd, d)
+            self.linear = torch.nn.Linear(*rows.shape[::-1], bias=False, device=rows.device,
+                                          dtype=rows.dtype)
+            self.linear.weight = torch.nn.Parameter(rows, requires_grad=False)
             self.ids = model.draft_ids  # column -> token id
 
     def scores(self, z: torch.Tensor) -> torch.Tensor:
@@ -95,7 +95,7 @@ class DraftVocab:
 
     def logits(self, z: torch.Tensor) -> torch.Tensor:
         """Logits (..., V) over the whole vocabulary, -inf outside the draft vocabulary."""
-        return self.model.draft_logits(z, self.rows)
+        return self.model.draft_logits(z, None if self.linear is None else self.linear.weight)
 
     def children(self, ctx: Context, z: torch.Tensor, width: int, *, chances: bool,
                  ranked: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
