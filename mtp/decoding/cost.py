@@ -27,27 +27,18 @@ _CONTEXT = 128
 _measured: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _time(fn, device: torch.device, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 @torch.no_grad()
 def verify_seconds(model: MTPTransformer, batch: int, most: int, *,
-                   repeats: int = 3) -> list[float]:
+                   repeats: int = 5) -> list[float]:
     """seconds[t - 1]: one verify forward over t = 1..most tokens per row, for `batch` rows.
 
-    Measured (the fastest of `repeats`) at the token counts of a fixed grid up to `most`,
-    linearly interpolated between them, and kept per model, batch size, thread count and `most`.
-    Call it where decoding runs (inside `mtp.decoding.arithmetic.decode_linears`), so that the
+    Measured at the token counts of a fixed grid up to `most`, linearly interpolated between
+    them, and kept per model, batch size, thread count and `most`. The grid is timed `repeats`
+    times over, a pass through every count at a time, so that a stretch of a slower machine
+    (another process, a clock change) falls on all counts alike; each count keeps its fastest
+    time, and then the fastest time of any count at or above it: a forward over more tokens is
+    never charged less than one over fewer, and a slow outlier does not cut a tree short. Call
+    it where decoding runs (inside `mtp.decoding.arithmetic.decode_linears`), so that the
     forward timed is the one rounds will run.
     """
     key = (batch, most, torch.get_num_threads())
@@ -70,7 +61,18 @@ def verify_seconds(model: MTPTransformer, batch: int, most: int, *,
 
     grid = sorted({t for t in _GRID if t < most} | {most})
     run(most)  # a first call pays for allocations the rounds will not
-    timed = {t: _time(lambda t=t: run(t), device, repeats) for t in grid}
+    timed = dict.fromkeys(grid, float("inf"))
+    for _ in range(repeats):
+        for t in grid:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            run(t)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            timed[t] = min(timed[t], time.perf_counter() - start)
+    for lo, hi in zip(grid[-2::-1], grid[:0:-1]):  # from the top: never above a larger count's
+        timed[lo] = min(timed[lo], timed[hi])
     seconds = []
     for t in range(1, most + 1):
         hi = min(g for g in grid if g >= t)

@@ -5,6 +5,7 @@ greedy output is unchanged whatever tree a round grows."""
 from __future__ import annotations
 
 import itertools
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -104,3 +105,28 @@ def test_the_verify_cost_is_measured_once_per_model_and_batch():
     assert len(first) == 10 and all(s > 0 for s in first)
     assert verify_seconds(model, 1, 10) is first  # kept, not measured again
     assert verify_seconds(model, 2, 10) is not first
+
+
+def test_the_verify_cost_keeps_each_counts_fastest_time_never_above_a_larger_counts(
+        monkeypatch):
+    """A forward over t tokens costs 1 + t / 100 on a scripted clock, 10 more in the first two
+    passes through the grid (a slow stretch of the machine), and 6 tokens always 5 (slower
+    than 8)."""
+    clock = [0.0]
+    passes: dict[int, int] = {}
+
+    def forward(model, cache, tokens, positions, mask):
+        t = tokens.shape[1]
+        passes[t] = passes.get(t, 0) + 1
+        clock[0] += 5.0 if t == 6 else 1 + t / 100 + (10 if passes[t] <= 2 else 0)
+        return torch.zeros(*tokens.shape, model.cfg.d_model), None
+
+    monkeypatch.setattr("mtp.decoding.cost.forward", forward)
+    monkeypatch.setattr("mtp.decoding.cost.time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    seconds = verify_seconds(random_model(0), 1, 10)
+    want = {1: 1.01, 2: 1.02, 3: 1.03, 4: 1.04, 6: 1.08, 8: 1.08, 10: 1.10}
+    assert seconds[5] == pytest.approx(want[6])  # 6 tokens charged as 8
+    for t, s in want.items():
+        assert seconds[t - 1] == pytest.approx(s)
+    assert seconds[4] == pytest.approx((want[4] + want[6]) / 2)  # interpolated
+    assert all(a <= b for a, b in zip(seconds, seconds[1:]))
