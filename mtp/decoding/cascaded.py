@@ -214,9 +214,10 @@ class CascadedHeads(Drafter):
             cells.extend(new)
             return self._children(ctx, torch.stack([c[x.level + 1] for c in new], 1), self.top)
 
-        return self.dynamic.grow_by_levels(self.top, levels, pending,
-                                           self._children(ctx, cells[0][1][:, None], self.top),
-                                           expand, self.seconds)
+        tokens, tree, _ = self.dynamic.grow_by_levels(
+            self.top, levels, pending, self._children(ctx, cells[0][1][:, None], self.top),
+            expand, self.seconds)
+        return tokens, tree
 
     def _scratch_mask(self, level_of: torch.Tensor, ancestors: torch.Tensor, idx: torch.Tensor,
                       j: int, lengths: torch.Tensor, nodes: int) -> torch.Tensor:

@@ -310,22 +310,22 @@ class ParallelHeadsTree(ParallelHeads):
     def _draft(self, ctx, z) -> None:
         self.drafts = self.vocab.top(z, self.top)  # (B, h-1, top)
 
-    def _round_tree(self, ctx: Context, n: int, m: int) -> Tree:
-        """The tree of a round with at most n levels and a lookup branch of m tokens."""
-        return self.tree.pruned(n)
+    def _round_tree(self, ctx: Context, n: int, branch: list[list[int]]) -> tuple[Tree, int]:
+        """The tree of a round with at most n levels, and how many tokens of the lookup
+        continuations `branch` (one per row) to verify beside it: all of them."""
+        return self.tree.pruned(n), max(map(len, branch), default=0)
 
     def propose(self, ctx, pending, n) -> Proposal:
         self._catch_up_for(ctx, n)
-        chain = self.lookup.padded(ctx, n, pending.device) if self.lookup is not None else None
-        m = 0 if chain is None else chain.shape[1]
-        tree = self._round_tree(ctx, n, m)
+        branch = self.lookup.continuations(ctx, n) if self.lookup is not None else []
+        tree, m = self._round_tree(ctx, n, branch)
         tt, origins = tree_tensors(self.by_shape, tree, m, pending.device)
         # Node j holds candidate rank[j] of head depth[j] + 1; the root holds pending.
-        n_tree = len(tree.paths)
+        n_tree = self.n_tree = len(tree.paths)
         tokens = self.drafts[:, (tt.depth[:n_tree] - 1).clamp(min=0), tt.rank[:n_tree]]
         tokens[:, 0] = pending  # (B, N+1)
         if m:
-            tokens = torch.cat([tokens, chain], dim=1)
+            tokens = torch.cat([tokens, self.lookup.pad(branch, pending.device, m)], dim=1)
         ctx.timer.lap("tree")
         return Proposal(tokens, max(tree.depth, m), tree=tt, origins=origins)
 
@@ -345,6 +345,10 @@ class ParallelHeadsDynamicTree(ParallelHeadsTree):
         self.max_nodes = dynamic.max_nodes
         self.chances: torch.Tensor | None = None  # (h-1, top): the round's candidates' chances
         self.seconds: list[float] = []
+        if lookup is not None:  # its branch sized by its worth, like the tree
+            from mtp.decoding.lookup import LookupWorth
+
+            self.worth = LookupWorth(lookup)
 
     @property
     def slots_needed(self) -> int:
@@ -360,11 +364,16 @@ class ParallelHeadsDynamicTree(ParallelHeadsTree):
         probs, self.drafts = self.vocab.top_chances(z, self.top)  # (B, h-1, top)
         self.chances = probs.mean(0)  # one tree for the batch: the rows' chances averaged
 
-    def _round_tree(self, ctx: Context, n: int, m: int) -> Tree:
+    def _round_tree(self, ctx: Context, n: int, branch: list[list[int]]) -> tuple[Tree, int]:
         if n == 0:
-            return Tree.from_paths([])
-        # seconds[i]: a forward over the root, the lookup branch and i tree nodes
-        return self.dynamic.grow(self.chances[:n], self.seconds[m:m + self.max_nodes + 1])
+            return Tree.from_paths([]), 0
+        return self.dynamic.grow(self.chances[:n], self.seconds,
+                                 self.worth.gains(branch) if self.lookup is not None else ())
+
+    def advance(self, ctx, v) -> None:
+        if self.lookup is not None and v.proposal.n:
+            self.worth.observe(ctx, v, self.n_tree)
+        super().advance(ctx, v)
 
 
 class DraftModel(Drafter):

@@ -19,7 +19,8 @@ path's probabilities) into their `top` candidates, and the round verifies the li
 all those it saw, as many as pay for their forward time on this machine (`DynamicTree.choose`).
 
 With `lookup` (`mtp.decoding.lookup.Lookup`), prompt lookup's continuation is one more branch
-from the root, as for parallel heads (`ParallelHeadsTree`).
+from the root, as for parallel heads (`ParallelHeadsTree`); beside a dynamic tree, as many of its
+tokens as are worth their forward time (`mtp.decoding.lookup.LookupWorth`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 
 from mtp.decoding.drafters import Drafter, DraftVocab, tree_tensors
 from mtp.decoding.engine import Context, Proposal, chain_mask
+from mtp.decoding.lookup import LookupWorth
 from mtp.decoding.tree import DynamicTree, Expansion, Tree, TreeTensors, place_children
 from mtp.model.transformer import MTPTransformer
 
@@ -57,6 +59,8 @@ class EagleHeads(Drafter):
         self.vocab = DraftVocab(model)  # the draft vocabulary's rows, gathered once per decode
         self.layers = self.vocab.linear
         self.root: torch.Tensor | None = None  # (B, d): the cell at L - 1 of each row
+        if self.dynamic is not None and lookup is not None:  # its branch sized like the tree
+            self.worth = LookupWorth(lookup)
 
     @property
     def slots_needed(self) -> int:
@@ -108,6 +112,8 @@ class EagleHeads(Drafter):
         nxt = torch.cat([committed[:, 1:], committed[:, -1:]], dim=1)
         nxt[rows, v.accepted] = v.next_token
         self._cells(ctx, h, rope, nxt, v.accepted)
+        if self.dynamic is not None and self.lookup is not None and v.proposal.n:
+            self.worth.observe(ctx, v, self.n_tree)
 
     def keep(self, idx) -> None:
         self.root = self.root[idx]
@@ -116,20 +122,21 @@ class EagleHeads(Drafter):
     def propose(self, ctx, pending, n) -> Proposal:
         if n == 0:
             return Proposal(pending[:, None], 0)
-        chain = self.lookup.padded(ctx, n, pending.device) if self.lookup is not None else None
-        m = 0 if chain is None else chain.shape[1]
+        branch = self.lookup.continuations(ctx, n) if self.lookup is not None else []
+        m = max(map(len, branch), default=0)
         levels = min(n, self.depth)
         q = None
         if self.dynamic is not None:
-            tokens, tree = self._grow_dynamic(ctx, pending, levels, m)
+            tokens, tree, m = self._grow_dynamic(ctx, pending, levels, branch)
             tt, origins = tree_tensors(self.by_shape, tree, m, pending.device)
+            self.n_tree = len(tree.paths)
         else:
             tree = Tree.from_widths([1] * levels) if self.tree is None else \
                 self.tree.pruned(levels)
             tt, origins = tree_tensors(self.by_shape, tree, m, pending.device)
             tokens, q = self._grow(ctx, pending, tt, len(tree.paths), levels)
         if m:
-            tokens = torch.cat([tokens, chain], dim=1)
+            tokens = torch.cat([tokens, self.lookup.pad(branch, pending.device, m)], dim=1)
         ctx.timer.lap("draft")
         if self.tree is None and not m:  # the chain's nodes are in order: node j at depth j
             return Proposal(tokens, levels, q=q, origins=origins)
@@ -169,9 +176,10 @@ class EagleHeads(Drafter):
         return tokens, (torch.stack(qs, 1) if qs else None)
 
     def _grow_dynamic(self, ctx: Context, pending: torch.Tensor, levels: int,
-                      m: int) -> tuple[torch.Tensor, Tree]:
-        """EAGLE-2's round (`DynamicTree.grow_by_levels`): the layer's cells of the nodes a
-        level expands go to scratch slots, node e's at lengths + e - 1."""
+                      branch: list[list[int]]) -> tuple[torch.Tensor, Tree, int]:
+        """EAGLE-2's round (`DynamicTree.grow_by_levels`), with as many tokens of the lookup
+        continuations `branch` as are worth theirs: the layer's cells of the nodes a level
+        expands go to scratch slots, node e's at lengths + e - 1."""
         lengths = ctx.cache.lengths
         outs = [self.root]  # the expanded nodes' cell outputs, root first
 
@@ -187,7 +195,8 @@ class EagleHeads(Drafter):
 
         return self.dynamic.grow_by_levels(self.top, levels, pending,
                                            self._children(ctx, self.root[:, None], self.top),
-                                           expand, self.seconds[m:])
+                                           expand, self.seconds,
+                                           self.worth.gains(branch) if branch else ())
 
     def _step(self, level: int) -> int:
         """The head (0-based) that drafts a node of `level` >= 1 from its parent: step level + 1

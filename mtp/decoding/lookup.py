@@ -8,6 +8,11 @@ latest earlier occurrence is taken (the nearest context), trying n = `ngram` dow
 `LookupChain` drafts with it alone (decoder `lookup`). With heads, `ParallelHeadsTree` verifies
 the lookup's continuation as one more branch from the root beside the heads' chain or tree
 (`generate(..., lookup=N)`): a round keeps whichever branch the target agrees with longer.
+
+Beside a dynamic tree the branch is sized like the tree, by what its tokens are worth against
+their forward time (`LookupWorth`, `DynamicTree.choose`): on a CPU whose forward over ten more
+tokens costs a few percent a round verifies all of them, on one where it costs forty percent
+only those likely to add a token the heads' tree would not.
 """
 
 from __future__ import annotations
@@ -43,12 +48,87 @@ class Lookup:
                 for r in ctx.rows]
 
     def padded(self, ctx: Context, most: int, device: torch.device) -> torch.Tensor:
-        """The continuations as a (B, m) tensor, m the longest; shorter rows are padded with
-        token 0, which verification treats like any draft (accepted only where right)."""
-        rows = self.continuations(ctx, most)
-        m = max(map(len, rows), default=0)
-        return torch.tensor([r + [0] * (m - len(r)) for r in rows], dtype=torch.long,
+        """The continuations as a (B, m) tensor, m the longest (`pad`)."""
+        return self.pad(self.continuations(ctx, most), device)
+
+    @staticmethod
+    def pad(rows: list[list[int]], device: torch.device, m: int | None = None) -> torch.Tensor:
+        """Continuations as a (B, m) tensor, m the longest where not given: longer rows are
+        cut, shorter ones padded with token 0, which verification treats like any draft
+        (accepted only where right)."""
+        m = max(map(len, rows), default=0) if m is None else m
+        return torch.tensor([(r + [0] * m)[:m] for r in rows], dtype=torch.long,
                             device=device).view(len(rows), m)
+
+
+#: What `LookupWorth` takes each branch token to add before it has seen any (worth one round).
+PRIOR_GAIN = 0.5
+
+
+class LookupWorth:
+    """What each token of lookup's branch adds to a round beside the heads' tree, learnt as a
+    decode goes: `gains` estimates, for i = 1..tokens, the chance that the branch's first i
+    tokens are right while the tree's own accepted path is shorter than i, which is what the
+    i-th token adds to the tokens a round accepts. Every round's continuation is scored,
+    verified or not, once the text has gone past it, so a branch cut short still learns what a
+    longer one would have added."""
+
+    def __init__(self, lookup: Lookup) -> None:
+        self.lookup = lookup
+        self.count = [1.0] * lookup.tokens
+        self.gain = [PRIOR_GAIN] * lookup.tokens
+        # Rounds not scored yet: row, the text's length at the round, its continuation and the
+        # tree's own accepted length.
+        self.open: list[tuple[int, int, list[int], int]] = []
+        self.rows: list[list[int]] = []  # the current round's continuations
+
+    def gains(self, rows: list[list[int]]) -> list[float]:
+        """The gains of the branch of a round whose rows continue with `rows`: position i's
+        estimate times the share of rows that have an i-th token (one branch for the batch)."""
+        self.rows = rows
+        m = max(map(len, rows), default=0)
+        return [sum(len(r) > i for r in rows) / len(rows) * self.gain[i] / self.count[i]
+                for i in range(m)]
+
+    def observe(self, ctx: Context, v, n_tree: int) -> None:
+        """After a round whose heads' tree was the first `n_tree` nodes of `v.proposal`: note
+        how far the tree alone would have gone, and score the rounds the text has passed."""
+        tree = v.proposal.tree
+        tokens = v.proposal.tokens[:, :n_tree].tolist()
+        parent = tree.parent[:n_tree].tolist()
+        out = ctx.stopper.out
+        texts = {r: self.lookup.prompts[r] + out[r] + e for r, e in zip(ctx.rows, v.emitted)}
+        for r, cont, row_tokens, e in zip(ctx.rows, self.rows, tokens, v.emitted):
+            start = len(texts[r]) - len(e)
+            self.open.append((r, start, cont, tree_accepted(row_tokens, parent, e)))
+        still = []
+        for r, start, cont, a in self.open:
+            text = texts.get(r)
+            if text is None:  # the row has ended: what it wrote is all there is
+                text = self.lookup.prompts[r] + out[r]
+            elif len(text) - start < len(cont):
+                still.append((r, start, cont, a))
+                continue
+            right = 0
+            for i, tok in enumerate(cont[: len(text) - start]):
+                self.count[i] += 1
+                right += right == i and tok == text[start + i]
+                self.gain[i] += right > i and a <= i
+        self.open = still
+
+
+def tree_accepted(tokens: list[int], parent: list[int], emitted: list[int]) -> int:
+    """How many drafts a tree of nodes `tokens` (root first) with parents `parent` accepts on
+    its own where the target's tokens are `emitted` (a round's accepted drafts, then the
+    verifier's token): the depth of its deepest node along them."""
+    node = depth = 0
+    for tok in emitted:
+        node = next((j for j in range(node + 1, len(tokens))
+                     if parent[j] == node and tokens[j] == tok), 0)
+        if not node:
+            break
+        depth += 1
+    return depth
 
 
 def continuation(seq: list[int], most: int, ngram: int) -> list[int]:

@@ -150,25 +150,28 @@ class DynamicTree:
             raise ValueError(f"a dynamic tree needs 1 <= max_nodes <= {MAX_TREE_NODES} and "
                              f"top >= 1 (got {self.max_nodes}, {self.top})")
 
-    def grow(self, chances: torch.Tensor, seconds: Sequence[float]) -> Tree:
-        """The round's tree from the heads' candidate probabilities `chances` (D, top), where
-        `seconds[n]` is the verify forward's time with n tree nodes (its other tokens, the root
-        and any lookup branch, included)."""
+    def grow(self, chances: torch.Tensor, seconds: Sequence[float],
+             branch: Sequence[float] = ()) -> tuple[Tree, int]:
+        """The round's tree from the heads' candidate probabilities `chances` (D, top), and
+        how many tokens of a branch beside it to verify (`choose`): `seconds[t]` is the verify
+        forward's time over the root and t more tokens."""
         paths = best_first(chances, min(self.max_nodes, len(seconds) - 1))
-        n = self.choose([chance for chance, _ in paths], seconds)
-        return Tree.from_paths([path for _, path in paths[:n]])
+        n, m = self.choose([chance for chance, _ in paths], seconds, branch)
+        return Tree.from_paths([path for _, path in paths[:n]]), m
 
     def grow_by_levels(self, top: int, levels: int, pending: torch.Tensor,
                        first: tuple[torch.Tensor, torch.Tensor],
                        expand: Callable[[Expansion], tuple[torch.Tensor, torch.Tensor]],
-                       seconds: Sequence[float]) -> tuple[torch.Tensor, Tree]:
+                       seconds: Sequence[float],
+                       branch: Sequence[float] = ()) -> tuple[torch.Tensor, Tree, int]:
         """EAGLE-2's round for drafters that draft each level from the one before (eagle's
         layer, DeepSeek's modules): each level expands its `top` likeliest nodes (`expand` runs
         the drafter on them and returns their candidates and probabilities, each (B, n, top)),
         then the round keeps the likeliest nodes seen, as many as `choose` finds worth
-        `seconds`. `first` holds the root's candidates (B, 1, top). Returns the kept tree's
-        tokens (B, N + 1), `pending` first, and the tree. One tree for the batch: the rows'
-        chances are averaged."""
+        `seconds`, with as many tokens of a branch beside it as are worth theirs (`choose`).
+        `first` holds the root's candidates (B, 1, top). Returns the kept tree's tokens
+        (B, N + 1), `pending` first, the tree and the branch's length. One tree for the batch:
+        the rows' chances are averaged."""
         dev = pending.device
         most = 1 + top * max(levels - 1, 0)  # the root and every node expanded
         anc = torch.eye(most, dtype=torch.bool, device=dev)  # among expanded nodes
@@ -193,8 +196,7 @@ class DynamicTree:
             idx = torch.arange(expanded, expanded + len(pick), device=dev)
             expanded += len(pick)
             parents = [parent[i] for i in pick]
-            for e, p in zip(idx.tolist(), parents):
-                anc[e] |= anc[p]
+            anc[idx] |= anc[parents]  # the parents are of earlier levels
             level_of[idx] = level
             sel = torch.tensor(pick, device=dev)
             kids, probs = expand(Expansion(level, idx, parents, tokens[:, sel], anc, level_of))
@@ -206,22 +208,33 @@ class DynamicTree:
         # shallower, so every prefix is a tree
         ranked = sorted(range(len(seen_paths)),
                         key=lambda j: (-seen_chances[j], len(seen_paths[j])))
-        n = self.choose([seen_chances[j] for j in ranked], seconds)
+        n, m = self.choose([seen_chances[j] for j in ranked], seconds, branch)
         tree = Tree.from_paths([seen_paths[j] for j in ranked[:n]])
         column = {p: j for j, p in enumerate(seen_paths)}
         every = torch.cat(seen_tokens, dim=1)  # (B, candidates seen)
         chosen = torch.tensor([column[p] for p in tree.paths[1:]], dtype=torch.long, device=dev)
-        return torch.cat([pending[:, None], every[:, chosen]], dim=1), tree
+        return torch.cat([pending[:, None], every[:, chosen]], dim=1), tree, m
 
-    def choose(self, chances: Sequence[float], seconds: Sequence[float]) -> int:
-        """How many of the nodes of `chances` (likeliest first, every prefix a tree) to verify:
-        the count n <= `max_nodes` that maximises (1 + the sum of their chances) / seconds[n]."""
-        best, gain, n_best = 1.0 / seconds[0], 1.0, 0
-        for n, chance in enumerate(chances[: min(self.max_nodes, len(seconds) - 1)], start=1):
-            gain += chance
-            if gain / seconds[n] > best:
-                best, n_best = gain / seconds[n], n
-        return n_best
+    def choose(self, chances: Sequence[float], seconds: Sequence[float],
+               branch: Sequence[float] = ()) -> tuple[int, int]:
+        """How many of the nodes of `chances` (likeliest first, every prefix a tree) to verify,
+        and how many tokens of a branch beside them whose i-th token adds `branch[i - 1]`
+        accepted tokens in expectation (prompt lookup's, `mtp.decoding.lookup.LookupWorth`):
+        the counts n <= `max_nodes` and m that maximise (1 + the n chances + the m gains) /
+        seconds[n + m], seconds[t] being a forward's time over the root and t more tokens."""
+        best, n_best, m_best = 1.0 / seconds[0], 0, 0
+        extra = 1.0
+        for m in range(min(len(branch), len(seconds) - 1) + 1):
+            extra += branch[m - 1] if m else 0.0
+            gain = extra
+            if gain / seconds[m] > best:
+                best, n_best, m_best = gain / seconds[m], 0, m
+            most = min(self.max_nodes, len(seconds) - 1 - m)
+            for n, chance in enumerate(chances[:most], start=1):
+                gain += chance
+                if gain / seconds[n + m] > best:
+                    best, n_best, m_best = gain / seconds[n + m], n, m
+        return n_best, m_best
 
 
 @dataclass
@@ -245,25 +258,22 @@ class TreeTensors:
         parent += ([0] + list(range(n_tree, n_tree + chain - 1))) if chain else []
         rank = [p[-1] if p else 0 for p in tree.paths] + [0] * chain
         n = len(parent)
-        depth = [0] * n
+        lineage = [[0]]  # node j's path from the root, j included (parents come first)
         for j in range(1, n):
-            depth[j] = depth[parent[j]] + 1
-        d = max(depth)
-        anc = torch.zeros(n, n, dtype=torch.bool)
-        path = torch.zeros(n, d + 1, dtype=torch.long)
-        for j in range(n):
-            nodes = [j]
-            while nodes[-1]:
-                nodes.append(parent[nodes[-1]])
-            nodes.reverse()
-            anc[j, nodes] = True
-            path[j] = torch.tensor(nodes + [j] * (d + 1 - len(nodes)))
+            lineage.append(lineage[parent[j]] + [j])
+        d = max(map(len, lineage)) - 1
+        anc = [[False] * n for _ in range(n)]
+        for row, nodes in zip(anc, lineage):
+            for i in nodes:
+                row[i] = True
+        # built as lists, a tensor each: a dynamic tree builds one most rounds
         return cls(
-            depth=torch.tensor(depth, device=device),
+            depth=torch.tensor([len(nodes) - 1 for nodes in lineage], device=device),
             rank=torch.tensor(rank, device=device),
             parent=torch.tensor(parent, device=device),
-            ancestors=anc.to(device),
-            path=path.to(device),
+            ancestors=torch.tensor(anc, dtype=torch.bool, device=device),
+            path=torch.tensor([nodes + [j] * (d + 1 - len(nodes))
+                               for j, nodes in enumerate(lineage)], device=device),
         )
 
 

@@ -16,9 +16,10 @@ from mtp.decoding.cost import verify_seconds
 from mtp.decoding.tree import DynamicTree, Tree, best_first
 
 
-def _brute_force(chances: torch.Tensor, seconds: list[float], max_nodes: int) -> tuple:
-    """Every prefix-closed set of paths up to max_nodes nodes, scored by (1 + the sum of its
-    paths' chances) / seconds[its size]: the best score and the sets that reach it."""
+def _brute_force(chances: torch.Tensor, seconds: list[float], max_nodes: int,
+                 extra: float = 0.0) -> tuple:
+    """Every prefix-closed set of paths up to max_nodes nodes, scored by (1 + extra + the sum of
+    its paths' chances) / seconds[its size]: the best score and the sets that reach it."""
     depth, top = chances.shape
     paths = [p for d in range(1, depth + 1) for p in itertools.product(range(top), repeat=d)]
     chance = {p: float(torch.prod(chances[torch.arange(len(p)), torch.tensor(p)])) for p in paths}
@@ -28,7 +29,7 @@ def _brute_force(chances: torch.Tensor, seconds: list[float], max_nodes: int) ->
             chosen = set(subset)
             if any(p[:-1] and p[:-1] not in chosen for p in chosen):
                 continue
-            rate = (1 + sum(chance[p] for p in chosen)) / seconds[n]
+            rate = (1 + extra + sum(chance[p] for p in chosen)) / seconds[n]
             if rate > best + 1e-12:
                 best, argbest = rate, [chosen]
             elif abs(rate - best) <= 1e-12:
@@ -43,7 +44,8 @@ def test_the_grown_tree_is_the_best_tree_for_the_measured_cost(slope):
     g = torch.Generator().manual_seed(0)
     chances = torch.rand(2, 3, generator=g).sort(descending=True).values * 0.9
     seconds = [1.0 + slope * n for n in range(6)]
-    tree = DynamicTree(max_nodes=5, top=3).grow(chances, seconds)
+    tree, m = DynamicTree(max_nodes=5, top=3).grow(chances, seconds)
+    assert m == 0
     nodes = set(tree.paths[1:])
     best, argbest = _brute_force(chances, seconds, 5)
     assert nodes in argbest
@@ -51,6 +53,26 @@ def test_the_grown_tree_is_the_best_tree_for_the_measured_cost(slope):
         assert len(nodes) == 5
     if slope == 2.0:  # no node is worth twice the forward
         assert nodes == set()
+
+
+@pytest.mark.parametrize("slope", [0.0, 0.05, 0.3, 2.0])
+def test_the_grown_tree_and_the_branch_beside_it_are_the_best_for_the_measured_cost(slope):
+    """With a branch beside the tree whose i-th token adds gains[i - 1] (prompt lookup's): the
+    tree and branch length chosen have the best expected tokens per second of every tree of at
+    most 4 nodes and every branch length."""
+    g = torch.Generator().manual_seed(1)
+    chances = torch.rand(2, 3, generator=g).sort(descending=True).values * 0.9
+    gains = [0.6, 0.1, 0.4]  # a later token may add more than an earlier one
+    seconds = [1.0 + slope * t for t in range(8)]
+    tree, m = DynamicTree(max_nodes=4, top=3).grow(chances, seconds, gains)
+    rate = (1 + sum(float(torch.prod(chances[torch.arange(len(p)), torch.tensor(p)]))
+                    for p in tree.paths[1:]) + sum(gains[:m])) / seconds[len(tree.paths) - 1 + m]
+    best = max(_brute_force(chances, seconds[k:], 4, extra=sum(gains[:k]))[0] for k in range(4))
+    assert rate == pytest.approx(best)
+    if slope == 0.0:  # free tokens: all of them
+        assert (len(tree.paths), m) == (5, 3)
+    if slope == 2.0:
+        assert (len(tree.paths), m) == (1, 0)
 
 
 def test_best_first_lists_paths_by_chance_and_every_prefix_is_a_tree():
@@ -88,6 +110,50 @@ def test_dynamic_trees_decode_exactly_greedys_tokens(cyclic, lookup):
                           lookup=lookup)
     assert got == want
     assert stats.tokens_per_forward > 1.5
+
+
+@pytest.mark.parametrize("slope", [0.0, 2.0])
+def test_beside_a_dynamic_tree_lookup_verifies_the_tokens_worth_their_time(cyclic, slope,
+                                                                          monkeypatch):
+    """Lookup's branch is as long as pays for the forward's time: all of it where tokens cost
+    nothing, none of it (and no tree) where each costs two forwards; greedy's output either
+    way."""
+    from mtp.decoding import cost
+    from mtp.decoding.lookup import Lookup
+
+    model = cyclic
+    if model.cfg.head_type == "deepseek":
+        pytest.skip("lookup drafts beside parallel or eagle heads")
+    prompts = cyclic_prompts(model, 4, seed=5)
+    most = 8 + 1 + 4  # the tree's nodes, the root, the branch
+    cost._measured.setdefault(model, {})[(len(prompts), most, torch.get_num_threads())] = \
+        [1.0 + slope * t for t in range(most)]
+    offered, verified = [], []  # each round's longest continuation, the tokens verified
+    continuations, pad = Lookup.continuations, Lookup.pad
+
+    def offer(self, ctx, most):
+        rows = continuations(self, ctx, most)
+        offered.append(max(map(len, rows), default=0))
+        return rows
+
+    def verify(rows, device, m=None):
+        verified.append(m)
+        return pad(rows, device, m)
+
+    monkeypatch.setattr(Lookup, "continuations", offer)
+    monkeypatch.setattr(Lookup, "pad", staticmethod(verify))
+    try:
+        want, _ = generate(model, prompts, 30)
+        got, stats = generate(model, prompts, 30, decoder="tree",
+                              tree=DynamicTree(max_nodes=8), lookup=4)
+    finally:
+        del cost._measured[model]
+    assert got == want
+    assert any(offered)
+    if slope == 0.0:
+        assert verified == [m for m in offered if m]
+    else:
+        assert not verified and stats.tokens_per_forward == 1.0
 
 
 @pytest.mark.parametrize("head_type", ["block", "deepseek", "eagle"])

@@ -79,3 +79,48 @@ def test_lookup_errors_name_the_argument() -> None:
         generate(model, [[1, 2]], 4, decoder="tree", lookup=-1)
     with pytest.raises(ValueError, match="DeepSeek.s modules .* parallel or eagle heads"):
         generate(random_model(head_type="deepseek"), [[1, 2]], 4, decoder="tree", lookup=4)
+
+
+def _round(worth, ctx, branch, tree_tokens, parent, emitted):
+    """One scripted round of a batch of one: the branch offered, the heads' tree (tokens, root
+    first, and parents) and the tokens the round emitted; `ctx.stopper.out` then takes them in,
+    as the loop's stopper does."""
+    from types import SimpleNamespace
+
+    worth.gains([branch])
+    tree = SimpleNamespace(parent=torch.tensor(parent))
+    v = SimpleNamespace(proposal=SimpleNamespace(tokens=torch.tensor([tree_tokens]), tree=tree),
+                        emitted=[emitted])
+    worth.observe(ctx, v, len(tree_tokens))
+    ctx.stopper.out[0] += emitted
+
+
+def test_lookup_worth_learns_what_the_branch_adds_beyond_the_tree() -> None:
+    """Token i of the branch is credited where the branch's first i tokens are right and the
+    heads' tree alone accepted fewer than i; a round is scored once the text has gone past its
+    branch, whether the branch was verified or not."""
+    from types import SimpleNamespace
+
+    from mtp.decoding.lookup import PRIOR_GAIN, Lookup, LookupWorth, tree_accepted
+
+    assert tree_accepted([4, 5, 9, 6], [0, 0, 1, 1], [5, 6, 8]) == 2  # root, 5, then 6
+    assert tree_accepted([4, 5, 9], [0, 0, 1], [7]) == 0
+    lookup = Lookup(tokens=3)
+    lookup.start([[1, 2, 3]])
+    worth = LookupWorth(lookup)
+    ctx = SimpleNamespace(rows=[0], stopper=SimpleNamespace(out=[[4]]))
+    assert worth.gains([[5, 6]]) == [PRIOR_GAIN, PRIOR_GAIN]
+    # The target writes 5, 6, 8: the branch 5, 6, 7 has two right, the tree 5 -> 9 one.
+    _round(worth, ctx, [5, 6, 7], [4, 5, 9], [0, 0, 1], [5, 6, 8])
+    prior = (PRIOR_GAIN, 1.0)
+    want = [(prior[0] + g) / (prior[1] + 1) for g in (0, 1, 0)]
+    assert worth.gains([[1, 2, 3]]) == pytest.approx(want)
+    # A round offers 9, 9, 9 but verifies no token of it (the tree is the root): the next two
+    # rounds write 9, then 9, 9, and only then is it scored: all three would have been taken.
+    _round(worth, ctx, [9, 9, 9], [8], [0], [9])
+    assert worth.gains([[1, 2, 3]]) == pytest.approx(want)
+    _round(worth, ctx, [], [9], [0], [9, 9])
+    want = [(prior[0] + g) / (prior[1] + 2) for g in (1, 2, 1)]
+    assert worth.gains([[1, 2, 3]]) == pytest.approx(want)
+    # One branch for a batch: a row without an i-th token adds nothing at i.
+    assert worth.gains([[1, 2], [3]]) == pytest.approx([want[0], want[1] / 2])
