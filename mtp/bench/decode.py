@@ -51,6 +51,7 @@ from mtp.decoding.cli import (
     request_problems,
     text_decoder,
 )
+from mtp.decoding.cost import cost_lines
 from mtp.decoding.generation import generate
 from mtp.decoding.policy import Adaptive
 from mtp.decoding.request import HEAD_DECODERS, DecodeRequest
@@ -439,6 +440,9 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             for c in configs:
                 run(c, batch, refs[c.dtype], 0)
         bare_ms = _timed(configs, first, batches, run, models, args)
+    for d in names:  # what the dynamic trees were sized by, where a row grew one
+        for line in cost_lines(models[d]):
+            print(f"{d}: {line}")
     print(f"{len(configs)} decoders x {len(prompts)} prompts, {args.max_new_tokens} new tokens, "
           f"batch size {batch_size}, {args.repeat} repeats, {args.device}")
     sim = None

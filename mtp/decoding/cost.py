@@ -18,7 +18,7 @@ import torch
 from mtp.decoding.engine import chain_mask, forward, new_cache
 from mtp.model.transformer import MTPTransformer
 
-__all__ = ["verify_seconds"]
+__all__ = ["cost_lines", "verify_seconds"]
 
 #: Token counts timed; the others are interpolated between them.
 _GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
@@ -81,3 +81,14 @@ def verify_seconds(model: MTPTransformer, batch: int, most: int, *,
         seconds.append(timed[lo] + w * (timed[hi] - timed[lo]))
     kept[key] = seconds
     return seconds
+
+
+def cost_lines(model: MTPTransformer) -> list[str]:
+    """What `verify_seconds` measured for `model` so far, a line per batch size, thread count
+    and most tokens: the forward's ms over one token, and over t tokens as a multiple of it."""
+    lines = []
+    for (batch, most, threads), seconds in sorted(_measured.get(model, {}).items()):
+        ratios = ", ".join(f"{t}: {seconds[t - 1] / seconds[0]:.2f}x" for t in _GRID if t <= most)
+        lines.append(f"verify forward (batch {batch}, {threads} threads): {1000 * seconds[0]:.1f} "
+                     f"ms over 1 token; over t tokens, t: {ratios}")
+    return lines

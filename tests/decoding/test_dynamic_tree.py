@@ -12,7 +12,7 @@ import torch
 from decoding_helpers import cyclic_prompts, random_model, random_prompts, train_cyclic
 
 from mtp.decoding import generate
-from mtp.decoding.cost import verify_seconds
+from mtp.decoding.cost import cost_lines, verify_seconds
 from mtp.decoding.tree import DynamicTree, Tree, best_first
 
 
@@ -171,6 +171,14 @@ def test_the_verify_cost_is_measured_once_per_model_and_batch():
     assert len(first) == 10 and all(s > 0 for s in first)
     assert verify_seconds(model, 1, 10) is first  # kept, not measured again
     assert verify_seconds(model, 2, 10) is not first
+    # what `mtp bench decode` prints of it: a line per batch size, each count against one token
+    lines = cost_lines(model)
+    threads = torch.get_num_threads()
+    assert [line.split(":")[0] for line in lines] == \
+        [f"verify forward (batch {b}, {threads} threads)" for b in (1, 2)]
+    assert "t: 1: 1.00x, 2: " in lines[0] and lines[0].endswith(
+        f"8: {first[7] / first[0]:.2f}x")
+    assert cost_lines(random_model(0)) == []
 
 
 def test_the_verify_cost_keeps_each_counts_fastest_time_never_above_a_larger_counts(
