@@ -346,9 +346,7 @@ class ParallelHeadsDynamicTree(ParallelHeadsTree):
         self.chances: torch.Tensor | None = None  # (h-1, top): the round's candidates' chances
         self.seconds: list[float] = []
         if lookup is not None:  # its branch sized by its worth, like the tree
-            from mtp.decoding.lookup import LookupWorth
-
-            self.worth = LookupWorth(lookup)
+            self.worth = lookup.worth()
 
     @property
     def slots_needed(self) -> int:

@@ -29,7 +29,6 @@ import torch
 
 from mtp.decoding.drafters import Drafter, DraftVocab, tree_tensors
 from mtp.decoding.engine import Context, Proposal, chain_mask
-from mtp.decoding.lookup import LookupWorth
 from mtp.decoding.tree import DynamicTree, Expansion, Tree, TreeTensors, place_children
 from mtp.model.transformer import MTPTransformer
 
@@ -60,7 +59,7 @@ class EagleHeads(Drafter):
         self.layers = self.vocab.linear
         self.root: torch.Tensor | None = None  # (B, d): the cell at L - 1 of each row
         if self.dynamic is not None and lookup is not None:  # its branch sized like the tree
-            self.worth = LookupWorth(lookup)
+            self.worth = lookup.worth()
 
     @property
     def slots_needed(self) -> int:

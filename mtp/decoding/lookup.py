@@ -47,6 +47,10 @@ class Lookup:
         return [continuation(self.prompts[r] + ctx.stopper.out[r], most, self.ngram)
                 for r in ctx.rows]
 
+    def worth(self) -> LookupWorth:
+        """A learner of what each token of this lookup's branch adds beside a dynamic tree."""
+        return LookupWorth(self)
+
     def padded(self, ctx: Context, most: int, device: torch.device) -> torch.Tensor:
         """The continuations as a (B, m) tensor, m the longest (`pad`)."""
         return self.pad(self.continuations(ctx, most), device)
