@@ -112,6 +112,7 @@ def test_dynamic_trees_decode_exactly_greedys_tokens(cyclic, lookup):
     assert stats.tokens_per_forward > 1.5
 
 
+@pytest.mark.parametrize("cyclic", ["block", "eagle"], indirect=True)  # DeepSeek's: no lookup
 @pytest.mark.parametrize("slope", [0.0, 2.0])
 def test_beside_a_dynamic_tree_lookup_verifies_the_tokens_worth_their_time(cyclic, slope,
                                                                           monkeypatch):
@@ -122,8 +123,6 @@ def test_beside_a_dynamic_tree_lookup_verifies_the_tokens_worth_their_time(cycli
     from mtp.decoding.lookup import Lookup
 
     model = cyclic
-    if model.cfg.head_type == "deepseek":
-        pytest.skip("lookup drafts beside parallel or eagle heads")
     prompts = cyclic_prompts(model, 4, seed=5)
     most = 8 + 1 + 4  # the tree's nodes, the root, the branch
     cost._measured.setdefault(model, {})[(len(prompts), most, torch.get_num_threads())] = \
