@@ -64,6 +64,14 @@ def cyclic_prompts(model: MTPTransformer, n: int, seed: int) -> list[list[int]]:
             for i, p in enumerate(prompts)]
 
 
+def spread_prompts(model: MTPTransformer, n: int, seed: int) -> list[list[int]]:
+    """`cyclic_prompts` (`random_prompts` for a model not trained on the cycle) repeated 1 to 4
+    times: lengths from 1 to 76 tokens, so that a batch's prefill groups them by length."""
+    prompts = cyclic_prompts(model, n, seed) if hasattr(model, "cycle") else \
+        random_prompts(n, model.cfg.vocab_size, seed, hi=19)
+    return [p * (1 + i % 4) for i, p in enumerate(prompts)]
+
+
 def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     """Pearson goodness of fit; cells expecting fewer than 5 counts are pooled."""
     n = counts.sum()

@@ -38,7 +38,6 @@ from mtp.decoding.engine import (
     Verified,
     chain_mask,
     forward,
-    keep_rows,
     new_cache,
     prefill,
 )
@@ -428,7 +427,7 @@ class DraftModel(Drafter):
         self.cache.truncate(ctx.cache.lengths + a)
 
     def keep(self, idx) -> None:
-        keep_rows(self.cache, idx)
+        self.cache.keep(idx)
         self.unfed = self.unfed[idx]
 
 

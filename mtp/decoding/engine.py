@@ -17,10 +17,12 @@ A token is *committed* once acceptance keeps it: it belongs to the output, and i
 values stay in the cache (a tree's accepted path is moved to contiguous slots by `_accept`).
 
 Batches. Rows keep their own positions: prompts of different lengths are right-padded for the
-prefill only (the padding lands in cache slots past each row's length, which no mask ever opens),
+prefill only, those far apart in length in forwards of their own (`length_groups`; the padding
+lands in cache slots past each row's length, which no mask ever opens),
 and afterwards each row writes at its own slots `lengths[b] + j`. Slot == RoPE position on the
 committed path, so no row's positions are shifted by padding, and rows accept different numbers
-of tokens per round. Finished rows leave the batch, so the batch only pays for live rows.
+of tokens per round. Finished rows leave the batch, so the batch only pays for live rows (a
+live row from the end takes each one's place: `fill_order`, `KVCache.keep`).
 
 Invariant between rounds: the cache holds every committed token but the last one, `pending`,
 which is the first input of the next forward (so a forward never recomputes a token).
@@ -46,7 +48,8 @@ from mtp.decoding.stopper import Stopper
 from mtp.decoding.tree import TreeTensors
 from mtp.model.transformer import KVCache, MTPTransformer
 
-__all__ = ["Context", "Proposal", "Trunk", "Verified", "forward", "new_cache", "run"]
+__all__ = ["Context", "Proposal", "Trunk", "Verified", "fill_order", "forward", "length_groups",
+           "new_cache", "prefill", "run"]
 
 Trunk = tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
 """A forward's trunk output (B, T, d) and its rotary tables, from which draft heads run."""
@@ -154,12 +157,40 @@ def forward(
     return hidden, (h, rope)
 
 
+#: A prefill forward's fixed cost, in prompt tokens: prompts whose padding to one length would
+#: cost more than another forward are prefilled apart (`length_groups`).
+GROUP_COST = 64
+
+
+def length_groups(lengths: list[int], cost: int = GROUP_COST) -> list[list[int]]:
+    """The rows of prompts of these `lengths`, grouped for prefill forwards: each group padded
+    to its longest prompt, the groups minimising the tokens run plus `cost` per forward (one
+    group where the prompts are about as long). Groups of neighbours in length order, found
+    by dynamic programming over that order."""
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    best, cut = [0] + [float("inf")] * len(order), [0] * (len(order) + 1)
+    for j in range(1, len(order) + 1):  # the best grouping of the j shortest
+        longest = lengths[order[j - 1]]
+        for i in range(j):
+            total = best[i] + (j - i) * longest + cost
+            if total < best[j]:
+                best[j], cut[j] = total, i
+    groups, j = [], len(order)
+    while j:
+        groups.append(order[cut[j]:j])
+        j = cut[j]
+    return groups[::-1]
+
+
 def prefill(model: MTPTransformer, cache: KVCache,
             prompts: list[list[int]]) -> tuple[torch.Tensor, Trunk]:
-    """Run the right-padded prompts through the trunk and head 1.
+    """Run the prompts through the trunk and head 1, right-padded: prompts of about one length
+    in one forward, prompts far apart in length in a forward per group (`length_groups`), so
+    that a batch does not pay for padding short prompts to its longest.
 
     Returns head 1's hidden state at each row's last prompt token (B, d) and the trunk output
-    at every prompt position. Afterwards the cache lengths are the prompt lengths.
+    at every prompt position (B, T, width), padded. Afterwards the cache lengths are the prompt
+    lengths.
     """
     device = cache.k.device
     lengths = torch.tensor([len(p) for p in prompts], device=device)
@@ -167,17 +198,28 @@ def prefill(model: MTPTransformer, cache: KVCache,
     tokens = torch.zeros(len(prompts), t, dtype=torch.long, device=device)
     for b, p in enumerate(prompts):
         tokens[b, : len(p)] = torch.tensor(p, device=device)
-    cache.truncate(torch.zeros_like(lengths))
     positions = torch.arange(t, device=device).expand(len(prompts), -1)
-    hidden, trunk = forward(model, cache, tokens, positions, chain_mask(cache.lengths, t))
+    cache.truncate(torch.zeros_like(lengths))
+    groups = length_groups(lengths.tolist())
+    if len(groups) == 1:
+        hidden, trunk = forward(model, cache, tokens, positions, chain_mask(cache.lengths, t))
+        cache.truncate(lengths)
+        return hidden[torch.arange(len(prompts), device=device), lengths - 1], trunk
+    last = h = None  # (B, d), (B, T, width), allocated as the first group's outputs are
+    for rows in groups:
+        idx = torch.tensor(rows, device=device)
+        tg = int(lengths[idx].max())
+        part = KVCache(model.cfg, len(rows), tg, device=device, dtype=cache.k.dtype)
+        hidden, (hg, _) = forward(model, part, tokens[idx, :tg], positions[idx, :tg],
+                                  chain_mask(part.lengths, tg))
+        cache.k[:, idx, :, :tg], cache.v[:, idx, :, :tg] = part.k, part.v
+        if h is None:
+            last, h = hidden.new_empty(len(prompts), hidden.shape[-1]), hg.new_zeros(
+                len(prompts), t, hg.shape[-1])
+        last[idx] = hidden[torch.arange(len(rows), device=device), lengths[idx] - 1]
+        h[idx, :tg] = hg
     cache.truncate(lengths)
-    return hidden[torch.arange(len(prompts), device=device), lengths - 1], trunk
-
-
-def keep_rows(cache: KVCache, keep: torch.Tensor) -> None:
-    """Drop finished rows from a cache (keep: indices of the rows that go on)."""
-    cache.k, cache.v = cache.k[:, keep], cache.v[:, keep]
-    cache.lengths = cache.lengths[keep]
+    return last, (h, model.rotary(positions))
 
 
 # --------------------------------------------------------------------------------------------
@@ -250,8 +292,19 @@ def _emit(ctx: Context, emitted: list[list[int]],
     ctx.stats.count(kept)
     if len(alive) == len(ctx.rows):
         return None
+    alive = fill_order(alive)
     ctx.rows = [ctx.rows[i] for i in alive]
     return torch.tensor(alive, dtype=torch.long, device=ctx.cache.lengths.device)
+
+
+def fill_order(alive: list[int]) -> list[int]:
+    """The batch rows that go on (`alive`, ascending), in the order that moves the fewest: a row
+    keeps its place where it can, and a finished row's place among the first len(alive) goes to
+    a live row from past them, so that `KVCache.keep` copies one row per row that finished."""
+    n = len(alive)
+    movers = [i for i in alive if i >= n]
+    staying = set(alive)
+    return [i if i in staying else movers.pop() for i in range(n)]
 
 
 def run(ctx: Context, prompts: list[list[int]], drafter, policy) -> None:
@@ -267,7 +320,7 @@ def run(ctx: Context, prompts: list[list[int]], drafter, policy) -> None:
     while ctx.rows:
         start = ctx.timer.lap()
         if keep is not None:
-            keep_rows(ctx.cache, keep)
+            ctx.cache.keep(keep)
             drafter.keep(keep)
             pending = pending[keep]
         n = policy.choose(ctx, drafter.max_drafts)

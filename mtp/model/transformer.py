@@ -62,6 +62,24 @@ class KVCache:
         """Roll each row back to `lengths` committed slots (entries past it are ignored)."""
         self.lengths = lengths.to(self.lengths)
 
+    def keep(self, rows: torch.Tensor) -> None:
+        """Keep only batch rows `rows` (distinct indices, in any order), which become rows
+        0..n-1.
+
+        In place, and only what a later step reads: the rows that move (with the decode loop's
+        `fill_order`, one per row that left), over the slots in use. A fresh copy of the whole
+        buffer whenever a row finished cost a batched decode a sixth of its time. The buffers
+        become views of their first n rows."""
+        n = len(rows)
+        lengths = self.lengths[rows]
+        used = int(lengths.max()) if n else 0
+        moves = (rows != torch.arange(n, device=rows.device)).nonzero().flatten()
+        if len(moves) and used:
+            src, dst = rows[moves], moves
+            for buf in (self.k, self.v):
+                buf[:, dst, :, :used] = buf[:, src, :, :used]
+        self.k, self.v, self.lengths = self.k[:, :n], self.v[:, :n], lengths
+
     def compact(self, src_slots: torch.Tensor, dst_start: torch.Tensor) -> None:
         """Move entries at `src_slots` (B, n) to contiguous slots from `dst_start` (B,) on.
 

@@ -8,6 +8,9 @@ change the output.
 
 from __future__ import annotations
 
+import collections
+import itertools
+
 import pytest
 import torch
 from decoding_helpers import (
@@ -20,6 +23,7 @@ from decoding_helpers import (
     cyclic_prompts,
     random_model,
     random_prompts,
+    spread_prompts,
     tiny_model,
     train_cyclic,
 )
@@ -230,12 +234,52 @@ def test_cache_holds_exactly_the_committed_tokens(early_model, monkeypatch, deco
                                        rtol=1e-4)
 
 
-def test_batched_greedy_equals_each_row_alone(cyclic_model) -> None:
-    prompts = cyclic_prompts(cyclic_model, 8, seed=6)
-    for decoder in ("greedy", "self-spec", "tree"):
-        batched, _ = generate(cyclic_model, prompts, 32, decoder=decoder)
-        alone = [generate(cyclic_model, [p], 32, decoder=decoder)[0][0] for p in prompts]
-        assert batched == alone, decoder
+@pytest.mark.parametrize("group_cost", [0, 10**9])
+def test_batched_greedy_equals_each_row_alone(cyclic_model, monkeypatch, group_cost) -> None:
+    """Prompts of 1 to 76 tokens, prefilled in a forward per length (group cost 0) or all in
+    one (the padding free), rows leaving the batch as they emit the end token, a live row
+    taking each one's place: each row's output is what it decodes alone."""
+    monkeypatch.setattr(engine, "GROUP_COST", group_cost)
+    random = random_model(2)  # its output hangs on every cached entry, the cycle's does not
+    for model in (cyclic_model, random):
+        prompts = spread_prompts(model, 8, seed=6)
+        groups = engine.length_groups([len(p) for p in prompts], group_cost)
+        assert len(groups) == (len({len(p) for p in prompts}) if group_cost == 0 else 1)
+        free, _ = generate(model, prompts, 32)
+        eot = collections.Counter(t for o in free for t in set(o)).most_common(1)[0][0]
+        for decoder in ("greedy", "self-spec", "tree"):
+            batched, _ = generate(model, prompts, 32, decoder=decoder, eot_id=eot)
+            alone = [generate(model, [p], 32, decoder=decoder, eot_id=eot)[0][0]
+                     for p in prompts]
+            assert batched == alone, decoder
+            assert len({len(o) for o in batched}) > 2  # rows ended at different rounds
+
+
+def test_length_groups_are_the_cheapest_grouping() -> None:
+    """Against every way of cutting the prompts, in length order, into groups."""
+    g = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        n = 1 + trial % 7
+        lengths = torch.randint(1, 300, (n,), generator=g).tolist()
+        cost = [0, 16, 64, 1000][trial % 4]
+        groups = engine.length_groups(lengths, cost)
+        assert sorted(r for grp in groups for r in grp) == list(range(n))
+
+        def total(gs):
+            return sum(len(gr) * max(lengths[r] for r in gr) + cost for gr in gs)
+
+        order = sorted(range(n), key=lengths.__getitem__)
+        best = min(total([order[a:b] for a, b in zip((0, *cuts), (*cuts, n))])
+                   for k in range(n) for cuts in itertools.combinations(range(1, n), k))
+        assert total(groups) == best
+
+
+def test_fill_order_moves_one_row_per_finished_row() -> None:
+    for alive in ([0, 1, 2], [1, 2], [0, 2, 4, 5, 6], [5], [0, 3, 4, 7, 8, 9]):
+        order = engine.fill_order(alive)
+        assert sorted(order) == alive
+        moved = [i for i, r in enumerate(order) if r != i]
+        assert len(moved) == sum(i not in alive for i in range(len(alive)))
 
 
 def test_greedy_matches_uncached_forward() -> None:

@@ -18,6 +18,7 @@ from decoding_helpers import (
     cyclic_prompts,
     random_model,
     random_prompts,
+    spread_prompts,
     tiny_model,
     train_cyclic,
 )
@@ -80,6 +81,26 @@ def test_speculative_greedy_equals_greedy_with_acceptance(trained, decoder, kwar
     if not kwargs.get("adaptive"):  # an adaptive round drafts only what it measures to pay
         # drafts were accepted (by the trained model, mostly) and rejected (by the early one)
         assert per_forward[0] > 1.3 and rejected > 0, per_forward
+
+
+@pytest.mark.parametrize("group_cost", [0, 10**9])
+def test_batched_decoding_equals_each_row_alone(trained, monkeypatch, group_cost):
+    """Prompts of 1 to 76 tokens prefilled in a forward per length or all in one, rows ending
+    at different rounds (`test_decoding.test_batched_greedy_equals_each_row_alone` for block
+    heads): each row decodes what it decodes alone, with every head type's drafter."""
+    from mtp.decoding import engine
+    from mtp.decoding.tree import DynamicTree
+
+    monkeypatch.setattr(engine, "GROUP_COST", group_cost)
+    model = trained[0]
+    prompts = spread_prompts(model, 6, seed=7)
+    eot = model.cycle[4]
+    for decoder, kwargs in [("self-spec", {}), ("tree", {"tree": DynamicTree(max_nodes=8)})]:
+        batched, _ = generate(model, prompts, 24, decoder=decoder, eot_id=eot, **kwargs)
+        alone = [generate(model, [p], 24, decoder=decoder, eot_id=eot, **kwargs)[0][0]
+                 for p in prompts]
+        assert batched == alone, decoder
+        assert len({len(o) for o in batched}) > 2  # rows ended at different rounds
 
 
 def test_draft_model_decoding_with_a_chained_target_and_draft(trained):

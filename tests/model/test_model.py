@@ -136,6 +136,23 @@ def test_kv_cache_compact_moves_accepted_entries():
     assert cache.k[0, 1, 0, :, 0].tolist() == [0, 1, 2, 3, 4, 5, 6, 7]
 
 
+
+@pytest.mark.parametrize("rows", [[0, 1, 2, 3, 4], [1, 3, 4], [0, 2], [4], []])
+def test_kv_cache_keep_holds_the_kept_rows_committed_entries(rows):
+    cfg = ModelConfig(vocab_size=10, d_model=16, n_layers=2, n_attn_heads=2, n_future=1,
+                      max_seq_len=16)
+    cache = KVCache(cfg, 5, 8)
+    torch.manual_seed(0)
+    cache.k.normal_(), cache.v.normal_()
+    cache.truncate(torch.tensor([3, 6, 2, 5, 1]))
+    want_k, want_v, want_len = cache.k[:, rows], cache.v[:, rows], cache.lengths[rows]
+    cache.keep(torch.tensor(rows, dtype=torch.long))
+    assert cache.lengths.tolist() == want_len.tolist()
+    assert cache.k.shape == want_k.shape and cache.v.shape == want_v.shape
+    for i, n in enumerate(want_len.tolist()):  # the committed slots; the rest is never read
+        torch.testing.assert_close(cache.k[:, i, :, :n], want_k[:, i, :, :n], rtol=0, atol=0)
+        torch.testing.assert_close(cache.v[:, i, :, :n], want_v[:, i, :, :n], rtol=0, atol=0)
+
 @pytest.mark.parametrize("n_layers", [8, 12])
 def test_matched_params_keep_parameter_count_across_k(n_layers):
     counts = [MTPTransformer(ModelConfig(vocab_size=512, d_model=64, n_layers=n_layers,
