@@ -17,8 +17,9 @@ prompt of a batch of one length, so more of the machine's time goes to new token
 `--style mbpp-train` asks the tasks of MBPP's training split (ids 601-974 of `--tasks
 mbpp.jsonl`) in `mtp eval --prompt-format chat`'s words: requests written by people, as the
 benchmarks' are, which no evaluation reads (MBPP's test split is ids 11-510).
-Requests are answered in batches of similar prompt length, shortest first, as a batch's
-prefill pads every prompt to its longest. Each batch prints the new tokens per second so far and
+Requests are answered in batches of similar prompt length, shortest first, so that a batch's
+prefill runs few forwards (it pads the prompts of one forward to the longest of them:
+`mtp.decoding.engine.length_groups`). Each batch prints the new tokens per second so far and
 the rate of the model's useful arithmetic; the end of a run prints that rate against one batched
 forward of the same model on the same machine. `--dtype bf16` on a CPU with bf16 products
 multiplies in bf16 and attends in fp32 (`mtp.decoding.engine.new_cache`); its answers are the
