@@ -126,6 +126,10 @@ def _decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--oracle", action="store_true",
                    help="also draft the tokens greedy emits, h - 1 per round for each "
                         "--heads h: an upper bound that measures the loop's own cost")
+    p.add_argument("--lookup-whole", action="store_true",
+                   help="with --lookup beside a dynamic tree, also run each such row verifying "
+                        "lookup's whole continuation every round, instead of the tokens worth "
+                        "their forward time: the ablation of sizing the branch")
     p.add_argument("--adaptive", action="store_true",
                    help="also run each speculative decoder with adaptive speculation")
     p.add_argument("--batch-size", type=int, default=1,

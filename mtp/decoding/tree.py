@@ -144,6 +144,9 @@ class DynamicTree:
     """The most nodes a round's tree may have."""
     top: int = 8
     """Candidates of each head a round may use."""
+    whole_branch: bool = False
+    """Verify a branch beside the tree (prompt lookup's) whole every round, instead of the
+    tokens worth their forward time (`choose`): the ablation of that choice."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_nodes <= MAX_TREE_NODES or self.top < 1:
@@ -221,11 +224,14 @@ class DynamicTree:
         and how many tokens of a branch beside them whose i-th token adds `branch[i - 1]`
         accepted tokens in expectation (prompt lookup's, `mtp.decoding.lookup.LookupWorth`):
         the counts n <= `max_nodes` and m that maximise (1 + the n chances + the m gains) /
-        seconds[n + m], seconds[t] being a forward's time over the root and t more tokens."""
-        best, n_best, m_best = 1.0 / seconds[0], 0, 0
-        extra = 1.0
-        for m in range(min(len(branch), len(seconds) - 1) + 1):
-            extra += branch[m - 1] if m else 0.0
+        seconds[n + m], seconds[t] being a forward's time over the root and t more tokens; with
+        `whole_branch`, m is the whole branch (as much of it as `seconds` covers)."""
+        whole = min(len(branch), len(seconds) - 1)
+        first = whole if self.whole_branch else 0
+        extra = 1.0 + sum(branch[:first])
+        best, n_best, m_best = extra / seconds[first], 0, first
+        for m in range(first, whole + 1):
+            extra += branch[m - 1] if m > first else 0.0
             gain = extra
             if gain / seconds[m] > best:
                 best, n_best, m_best = gain / seconds[m], 0, m

@@ -73,6 +73,12 @@ def test_the_grown_tree_and_the_branch_beside_it_are_the_best_for_the_measured_c
         assert (len(tree.paths), m) == (5, 3)
     if slope == 2.0:
         assert (len(tree.paths), m) == (1, 0)
+    # the ablation: the branch whole, and the best tree beside it
+    tree, m = DynamicTree(max_nodes=4, top=3, whole_branch=True).grow(chances, seconds, gains)
+    rate = (1 + sum(float(torch.prod(chances[torch.arange(len(p)), torch.tensor(p)]))
+                    for p in tree.paths[1:]) + sum(gains)) / seconds[len(tree.paths) + 2]
+    assert m == 3
+    assert rate == pytest.approx(_brute_force(chances, seconds[3:], 4, extra=sum(gains))[0])
 
 
 def test_best_first_lists_paths_by_chance_and_every_prefix_is_a_tree():
@@ -113,12 +119,12 @@ def test_dynamic_trees_decode_exactly_greedys_tokens(cyclic, lookup):
 
 
 @pytest.mark.parametrize("cyclic", ["block", "eagle"], indirect=True)  # DeepSeek's: no lookup
-@pytest.mark.parametrize("slope", [0.0, 2.0])
-def test_beside_a_dynamic_tree_lookup_verifies_the_tokens_worth_their_time(cyclic, slope,
+@pytest.mark.parametrize(("slope", "whole"), [(0.0, False), (2.0, False), (2.0, True)])
+def test_beside_a_dynamic_tree_lookup_verifies_the_tokens_worth_their_time(cyclic, slope, whole,
                                                                           monkeypatch):
     """Lookup's branch is as long as pays for the forward's time: all of it where tokens cost
-    nothing, none of it (and no tree) where each costs two forwards; greedy's output either
-    way."""
+    nothing, none of it (and no tree) where each costs two forwards; with `whole_branch` all of
+    it whatever it costs (the ablation); greedy's output every way."""
     from mtp.decoding import cost
     from mtp.decoding.lookup import Lookup
 
@@ -144,12 +150,12 @@ def test_beside_a_dynamic_tree_lookup_verifies_the_tokens_worth_their_time(cycli
     try:
         want, _ = generate(model, prompts, 30)
         got, stats = generate(model, prompts, 30, decoder="tree",
-                              tree=DynamicTree(max_nodes=8), lookup=4)
+                              tree=DynamicTree(max_nodes=8, whole_branch=whole), lookup=4)
     finally:
         del cost._measured[model]
     assert got == want
     assert any(offered)
-    if slope == 0.0:
+    if slope == 0.0 or whole:
         assert verified == [m for m in offered if m]
     else:
         assert not verified and stats.tokens_per_forward == 1.0
