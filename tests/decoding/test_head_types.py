@@ -83,16 +83,16 @@ def test_speculative_greedy_equals_greedy_with_acceptance(trained, decoder, kwar
         assert per_forward[0] > 1.3 and rejected > 0, per_forward
 
 
-def test_batched_decoding_equals_each_row_alone(trained, monkeypatch):
+def test_batched_decoding_equals_each_row_alone(cascaded_trained, monkeypatch):
     """Prompts of 1 to 76 tokens prefilled in a forward per length, rows ending at different
-    rounds (`test_decoding.test_batched_greedy_equals_each_row_alone` for block heads, and
-    prefills of one forward): each row decodes what it decodes alone, with every head type's
-    drafter."""
+    rounds (`test_decoding.test_batched_greedy_equals_each_row_alone` for parallel heads, and
+    prefills of one forward): each row decodes what it decodes alone, with the drafters that
+    keep a state per row (DeepSeek's modules' cells, eagle's root)."""
     from mtp.decoding import engine
     from mtp.decoding.tree import DynamicTree
 
     monkeypatch.setattr(engine, "GROUP_COST", 0)
-    model = trained[0]
+    model = cascaded_trained[0]
     prompts = spread_prompts(model, 6, seed=7)
     eot = model.cycle[4]
     for decoder, kwargs in [("self-spec", {}), ("tree", {"tree": DynamicTree(max_nodes=8)})]:
