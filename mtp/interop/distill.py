@@ -301,8 +301,12 @@ def main(argv: list[str]) -> int:
         prompts, requests_of = [tokenizer.encode(x).ids for x in texts], todo
     rows = min(args.batch_size, len(todo))  # the most prompts decoded at once
     try:
-        check_memory(lambda c, sizes: inference_need(c, batch_size=sizes["--batch-size"]), cfg,
-                     {"--batch-size": rows}, available_memory("cpu"),
+        longest = max(map(len, prompts))  # the cache a batch decodes over holds its longest
+        check_memory(lambda c, sizes: inference_need(
+                         c, batch_size=sizes["--batch-size"], prompt_len=longest,
+                         seq_len=longest + sizes["--max-new-tokens"] + 1), cfg,
+                     {"--batch-size": rows, "--max-new-tokens": args.max_new_tokens},
+                     available_memory("cpu"),
                      doing=f"decoding {rows} prompts at once", where="on the CPU")
     except ConfigError as err:
         p.error(str(err))

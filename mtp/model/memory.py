@@ -129,21 +129,26 @@ def training_need(cfg: ModelConfig, *, batch_size: int, seq_len: int, naive: boo
     })
 
 
-def inference_need(cfg: ModelConfig, *, batch_size: int = 1, param_bytes: int = 4) -> MemoryNeed:
+def inference_need(cfg: ModelConfig, *, batch_size: int = 1, param_bytes: int = 4,
+                   seq_len: int | None = None, prompt_len: int | None = None) -> MemoryNeed:
     """What decoding `batch_size` rows needs: the weights, the KV cache of every attending
-    layer over the whole context, a block's activations over a full context (a prefill, which
-    unembeds each row's last position only), and the logits of a round of up to
-    `_ROUND_TOKENS` tokens."""
+    layer over `seq_len` positions a row (the decode's cache is sized to the longest prompt
+    and the new tokens), a block's activations over `prompt_len` positions a row (a prefill,
+    which unembeds each row's last position only), and the logits of a round of up to
+    `_ROUND_TOKENS` tokens. Both lengths default to the whole context, where the prompts and
+    the tokens asked are not known."""
     from mtp.model.heads import head_cache_layers
 
     layers = max(cfg.n_trunk_layers, 0) + len({x for x in head_cache_layers(cfg)
                                                 if x is not None})
-    cache = 2 * layers * batch_size * cfg.attn_kv_heads * cfg.max_seq_len * cfg.attn_head_dim
+    seq_len = cfg.max_seq_len if seq_len is None else min(seq_len, cfg.max_seq_len)
+    prompt_len = seq_len if prompt_len is None else min(prompt_len, seq_len)
+    cache = 2 * layers * batch_size * cfg.attn_kv_heads * seq_len * cfg.attn_head_dim
     return MemoryNeed({
         "weights": parameter_count(cfg) * param_bytes + _buffers(cfg),
         "KV cache": cache * 4,
-        "prefill": batch_size * cfg.max_seq_len * _activations_per_token(cfg) * 4,
-        "logits": batch_size * min(cfg.max_seq_len, _ROUND_TOKENS) * cfg.vocab_size * 4,
+        "prefill": batch_size * prompt_len * _activations_per_token(cfg) * 4,
+        "logits": batch_size * min(seq_len, _ROUND_TOKENS) * cfg.vocab_size * 4,
     })
 
 

@@ -125,3 +125,19 @@ def test_a_decode_estimate_counts_one_rounds_logits_not_the_whole_contexts():
     need = memory.inference_need(cfg, batch_size=64)
     assert need.parts["logits"] < 64 * 2048 * 49152 * 4 // 16
     assert sum(need.parts.values()) < 16 * GiB
+
+
+def test_a_decode_estimate_counts_the_positions_a_row_fills():
+    """The cache of a decode holds the longest prompt and the new tokens, not the context:
+    `mtp distill --batch-size 128` of 191-token prompts and 192 new tokens fits 20 GiB, which
+    a cache over all 2048 positions would not."""
+    cfg = ModelConfig(vocab_size=49152, d_model=576, n_layers=29, n_attn_heads=9,
+                      n_attn_kv_heads=3, ffn_hidden=1536, n_future=1, max_seq_len=2048,
+                      tie_embeddings=True)
+    whole = memory.inference_need(cfg, batch_size=128)
+    need = memory.inference_need(cfg, batch_size=128, prompt_len=191, seq_len=191 + 192 + 1)
+    layers = cfg.n_trunk_layers + 1  # the trunk's blocks and head 1's
+    assert need.parts["KV cache"] == 2 * layers * 128 * 3 * 384 * 64 * 4
+    assert whole.parts["KV cache"] == need.parts["KV cache"] * 2048 // 384
+    assert need.parts["prefill"] * 2048 == whole.parts["prefill"] * 191
+    assert need.total < 20 * GiB < whole.total
