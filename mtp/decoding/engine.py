@@ -200,7 +200,7 @@ def prefill(model: MTPTransformer, cache: KVCache,
         tokens[b, : len(p)] = torch.tensor(p, device=device)
     positions = torch.arange(t, device=device).expand(len(prompts), -1)
     cache.truncate(torch.zeros_like(lengths))
-    groups = length_groups(lengths.tolist())
+    groups = length_groups(lengths.tolist(), GROUP_COST)
     if len(groups) == 1:
         hidden, trunk = forward(model, cache, tokens, positions, chain_mask(cache.lengths, t))
         cache.truncate(lengths)

@@ -240,12 +240,19 @@ def test_batched_greedy_equals_each_row_alone(cyclic_model, monkeypatch, group_c
     one (the padding free), rows leaving the batch as they emit the end token, a live row
     taking each one's place: each row's output is what it decodes alone."""
     monkeypatch.setattr(engine, "GROUP_COST", group_cost)
+    grouped, length_groups = [], engine.length_groups
+
+    def recording(lengths, cost=engine.GROUP_COST):
+        grouped.append(length_groups(lengths, cost))
+        return grouped[-1]
+
+    monkeypatch.setattr(engine, "length_groups", recording)
     random = random_model(2)  # its output hangs on every cached entry, the cycle's does not
     for model in (cyclic_model, random):
         prompts = spread_prompts(model, 8, seed=6)
-        groups = engine.length_groups([len(p) for p in prompts], group_cost)
-        assert len(groups) == (len({len(p) for p in prompts}) if group_cost == 0 else 1)
         free, _ = generate(model, prompts, 32)
+        # the batch's prefill ran a forward per length, or one
+        assert len(grouped[-1]) == (len({len(p) for p in prompts}) if group_cost == 0 else 1)
         eot = collections.Counter(t for o in free for t in set(o)).most_common(1)[0][0]
         for decoder in ("greedy", "self-spec", "tree"):
             batched, _ = generate(model, prompts, 32, decoder=decoder, eot_id=eot)
