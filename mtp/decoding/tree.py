@@ -227,12 +227,9 @@ class DynamicTree:
         seconds[n + m], seconds[t] being a forward's time over the root and t more tokens; with
         `whole_branch`, m is the whole branch (as much of it as `seconds` covers)."""
         whole = min(len(branch), len(seconds) - 1)
-        first = whole if self.whole_branch else 0
-        extra = 1.0 + sum(branch[:first])
-        best, n_best, m_best = extra / seconds[first], 0, first
-        for m in range(first, whole + 1):
-            extra += branch[m - 1] if m > first else 0.0
-            gain = extra
+        best, n_best, m_best = 0.0, 0, 0
+        for m in [whole] if self.whole_branch else range(whole + 1):
+            gain = 1.0 + sum(branch[:m])
             if gain / seconds[m] > best:
                 best, n_best, m_best = gain / seconds[m], 0, m
             most = min(self.max_nodes, len(seconds) - 1 - m)
