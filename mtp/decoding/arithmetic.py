@@ -45,6 +45,7 @@ refused in bf16 (`mtp.decoding.DecodeRequest`).
 
 from __future__ import annotations
 
+import contextvars
 import json
 import os
 import statistics
@@ -63,7 +64,7 @@ from torch import nn
 from mtp.decoding.names import DRAFT_PATHS, DTYPE_NAMES, LINEAR_PATHS
 
 __all__ = ["DRAFT_PATHS", "DTYPES", "LINEAR_PATHS", "ROUND_ROWS", "LinearPaths", "choose_paths",
-           "decode_dtype", "decode_linears", "path_available", "to_decode_dtype"]
+           "decode_dtype", "decode_linears", "exact_drafts", "path_available", "to_decode_dtype"]
 
 #: `--dtype`'s values.
 DTYPES = dict(zip(DTYPE_NAMES, (torch.float32, torch.bfloat16), strict=True))
@@ -80,6 +81,8 @@ _SEEN: dict[tuple[str, str], dict[str, dict]] = {}
 # module -> ((path, weight storage, version, shape, dtype), prepared weight); weak, so it goes
 # with the module.
 _PREPARED: WeakKeyDictionary[nn.Linear, tuple[tuple, torch.Tensor | None]] = WeakKeyDictionary()
+# Set within `exact_drafts`: drafting layers take the target's paths for their shapes.
+_EXACT_DRAFTS = contextvars.ContextVar("mtp_exact_drafts", default=False)
 
 
 def decode_dtype(name: str, device: str | torch.device = "cpu", *,
@@ -191,16 +194,40 @@ def _prepared(module: nn.Linear, path: str) -> torch.Tensor | None:
     return cached[1]
 
 
-def _forward(module: nn.Linear, path: str) -> Callable[[torch.Tensor], torch.Tensor]:
+def _forward(module: nn.Linear, path: str,
+             drafting: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The module's forward on `path`; for a drafting layer, within `exact_drafts`, on the
+    path the target's layers of its shape take (chosen, and its weight prepared, at first
+    use)."""
     product = _product(path, module.weight, module.bias, _prepared(module, path))
     dtype = module.weight.dtype
+    exact = None
 
     def forward(x: torch.Tensor) -> torch.Tensor:
+        nonlocal exact
         if torch.is_grad_enabled() or x.dtype != dtype or x.device.type != "cpu":
             return F.linear(x, module.weight, module.bias)
+        if drafting and _EXACT_DRAFTS.get():
+            if exact is None:
+                p = choose_paths([module])[_shape_key(module)]["path"]
+                exact = product if p == path else _product(
+                    p, module.weight, module.bias, _prepare(p, module.weight, module.bias))
+            return exact(x)
         return product(x)
 
     return forward
+
+
+@contextmanager
+def exact_drafts() -> Iterator[None]:
+    """Within the block, the drafting layers of an enclosing `decode_linears` multiply on the
+    paths the target's layers of their shapes take (exact products, row-invariant where any
+    is), not on int8: the ablation of drafting in int8 (`mtp bench decode --exact-drafts`)."""
+    token = _EXACT_DRAFTS.set(True)
+    try:
+        yield
+    finally:
+        _EXACT_DRAFTS.reset(token)
 
 
 # --------------------------------------------------------------------------------------------
@@ -400,7 +427,7 @@ def decode_linears(*models: nn.Module | None, path: str | None = None,
             if "forward" in vars(module):  # listed twice (a model given twice, shared layers)
                 continue
             choice = chosen[_shape_key(module, module in drafting)]["path"]
-            module.forward = _forward(module, choice)
+            module.forward = _forward(module, choice, module in drafting)
             stack.callback(delattr, module, "forward")
             used.layers[choice] += 1
         yield used

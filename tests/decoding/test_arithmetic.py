@@ -20,6 +20,7 @@ from mtp.decoding.arithmetic import (
     choose_paths,
     decode_dtype,
     decode_linears,
+    exact_drafts,
     path_available,
     to_decode_dtype,
 )
@@ -230,8 +231,8 @@ def test_the_chosen_path_is_row_invariant_wherever_a_candidate_is(tmp_path, monk
                     reason="this torch has no FBGEMM int8 product")
 def test_int8_is_f_linear_to_a_percent_and_drafts_only(tmp_path, monkeypatch):
     """The int8 product is `F.linear`'s to about 1% of its range; where it is the fastest, a
-    drafting head's layers take it and the target's never do, and speculative greedy output
-    is greedy's."""
+    drafting head's layers take it and the target's never do, speculative greedy output is
+    greedy's, and within `exact_drafts` the drafting layers compute the exact product."""
     torch.manual_seed(0)
     lin = nn.Linear(96, 160)
     x = torch.randn(5, 96)
@@ -247,8 +248,8 @@ def test_int8_is_f_linear_to_a_percent_and_drafts_only(tmp_path, monkeypatch):
                         {p: 0.5 if p == "int8" else 1.0 for p in paths})
     taken = []
     forward = arithmetic._forward
-    monkeypatch.setattr(arithmetic, "_forward",
-                        lambda module, path: taken.append((module, path)) or forward(module, path))
+    monkeypatch.setattr(arithmetic, "_forward", lambda module, path, drafting=False: taken.append(
+        (module, path)) or forward(module, path, drafting))
     model = _model(head_type="deepseek")
     prompts = [[5, 9, 2, 7], [3, 1, 4, 1, 5, 9, 2]]
     greedy, _ = generate(model, prompts, 12)
@@ -258,3 +259,14 @@ def test_int8_is_f_linear_to_a_percent_and_drafts_only(tmp_path, monkeypatch):
     int8 = {m for m, path in taken if path == "int8"}
     assert int8 and int8 <= heads
     assert all(path != "int8" for m, path in taken if m not in heads)
+    # `exact_drafts`: the drafting layers on the target's (exact) path for their shape instead
+    layer = next(iter(int8))
+    x = torch.randn(3, layer.in_features)
+    with torch.no_grad(), decode_linears(model):
+        approximate = layer(x)
+        with exact_drafts():
+            exact = layer(x)
+        assert torch.equal(layer(x), approximate)
+    want = F.linear(x, layer.weight, layer.bias)
+    assert not torch.equal(approximate, exact)
+    torch.testing.assert_close(exact, want, rtol=1e-5, atol=1e-5)
