@@ -130,10 +130,6 @@ def _decode_args(p: argparse.ArgumentParser) -> None:
                    help="with --lookup beside a dynamic tree, also run each such row verifying "
                         "lookup's whole continuation every round, instead of the tokens worth "
                         "their forward time: the ablation of sizing the branch")
-    p.add_argument("--exact-drafts", action="store_true",
-                   help="also run each row of heads with their drafting layers on the target's "
-                        "exact products rather than int8 where that was chosen: the ablation of "
-                        "drafting in int8")
     p.add_argument("--adaptive", action="store_true",
                    help="also run each speculative decoder with adaptive speculation")
     p.add_argument("--batch-size", type=int, default=1,

@@ -29,7 +29,7 @@ import json
 import statistics
 import sys
 import time
-from contextlib import ExitStack, nullcontext
+from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -39,13 +39,7 @@ from mtp.bench import PROMPT_TOKENS, TRANSFORMERS_DECODERS
 from mtp.bench.decode_hf import TransformersDecoder
 from mtp.bench.report import publish
 from mtp.bench.validation import VALIDATION, simulated, simulated_note, validation_windows
-from mtp.decoding.arithmetic import (
-    DTYPES,
-    LinearPaths,
-    decode_linears,
-    exact_drafts,
-    to_decode_dtype,
-)
+from mtp.decoding.arithmetic import DTYPES, LinearPaths, decode_linears, to_decode_dtype
 from mtp.decoding.cli import (
     check_args,
     decode_request,
@@ -80,7 +74,6 @@ class _Config:
     seconds: list[float] = field(default_factory=list)  # per prompt batch: median of repeats
     equal: int = 0
     outputs: list[list[int]] = field(default_factory=list)
-    exact_drafts: bool = False  # drafting layers on the target's exact products (`exact_drafts`)
 
     def kwargs(self, draft, reference) -> dict:
         """`generate`'s keyword arguments for this row."""
@@ -424,9 +417,6 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             args, decoder="tree", heads=k, tree=auto, lookup=0)))
     if args.lookup:
         configs += _with_lookup(configs, args.lookup, args.lookup_whole)
-    if args.exact_drafts:
-        configs += [replace(c, name=f"{c.name} exact drafts", exact_drafts=True)
-                    for c in configs if c.decoder in HEAD_DECODERS]
     configs += [_Config(f"transformers {d}", d) for d in hf_decoders]
     # each dtype's rows, its greedy first; in bf16 greedy's and transformers' only (speculation
     # is exact in fp32 alone, `mtp.decoding.arithmetic`)
@@ -444,9 +434,8 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         if c.request is None:
             return hf[c.dtype](c.decoder, batch[0], args.max_new_tokens)
         gen.manual_seed(seed)
-        with exact_drafts() if c.exact_drafts else nullcontext():
-            return generate(models[c.dtype], batch, c.request.max_new_tokens,
-                            **c.kwargs(drafts[c.dtype], reference), generator=gen, **common)
+        return generate(models[c.dtype], batch, c.request.max_new_tokens,
+                        **c.kwargs(drafts[c.dtype], reference), generator=gen, **common)
 
     # Every linear layer on its path for the whole run (`mtp.decoding.arithmetic`), chosen
     # once, so that each decoder and the bare forwards multiply alike.

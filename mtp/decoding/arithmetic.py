@@ -13,19 +13,13 @@ torch's build and the weight's shape:
   models), in fp32 or bf16.
 - ``mkl``: MKL's packed GEMM (`torch.ops.mkl._mkl_linear`), fp32 only, over a weight packed for
   one row (the greedy forward); other row counts take the unpacked weight within the same op.
-- ``int8``, for a drafter's own layers only (heads 2..K, a draft vocabulary's rows): FBGEMM's
-  dynamically quantised product (`torch.ops.quantized.linear_dynamic`; weights int8 per output
-  row, each call's input quantised on the fly), which reads a quarter of the weight bytes. A
-  draft need not be exact, as the verify forward decides what is kept, so these layers may
-  take it where it is faster; the target's layers never do.
 
 :func:`decode_linears` gives every `nn.Linear` of a model the fastest of them for the duration
 of a block. The first decode on a machine times each candidate on the model's own weight shapes,
 over one row and over `ROUND_ROWS` rows (a greedy forward and a speculative round), and keeps
 the one of least total time per shape among those that are row-invariant there (each row of a
 product bit for bit what that row alone gives, so that a speculative round's verify forward
-computes greedy's own logits; where none is, the fastest); a drafter's layers keep the fastest
-of all, int8 included (their shapes keyed apart). The choice is cached in
+computes greedy's own logits; where none is, the fastest). The choice is cached in
 ``linear-paths.json`` under `mtp.util.environment.cache_dir`, keyed by the CPU model, cores,
 threads and torch version, so later runs read it. One path serves every row count of a shape.
 The paths compute the same product and differ from `F.linear` by a few ulps (the order of the
@@ -45,7 +39,6 @@ refused in bf16 (`mtp.decoding.DecodeRequest`).
 
 from __future__ import annotations
 
-import contextvars
 import json
 import os
 import statistics
@@ -61,10 +54,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mtp.decoding.names import DRAFT_PATHS, DTYPE_NAMES, LINEAR_PATHS
+from mtp.decoding.names import DTYPE_NAMES, LINEAR_PATHS
 
-__all__ = ["DRAFT_PATHS", "DTYPES", "LINEAR_PATHS", "ROUND_ROWS", "LinearPaths", "choose_paths",
-           "decode_dtype", "decode_linears", "exact_drafts", "path_available", "to_decode_dtype"]
+__all__ = ["DTYPES", "LINEAR_PATHS", "ROUND_ROWS", "LinearPaths", "choose_paths",
+           "decode_dtype", "decode_linears", "path_available", "to_decode_dtype"]
 
 #: `--dtype`'s values.
 DTYPES = dict(zip(DTYPE_NAMES, (torch.float32, torch.bfloat16), strict=True))
@@ -81,8 +74,6 @@ _SEEN: dict[tuple[str, str], dict[str, dict]] = {}
 # module -> ((path, weight storage, version, shape, dtype), prepared weight); weak, so it goes
 # with the module.
 _PREPARED: WeakKeyDictionary[nn.Linear, tuple[tuple, torch.Tensor | None]] = WeakKeyDictionary()
-# Set within `exact_drafts`: drafting layers take the target's paths for their shapes.
-_EXACT_DRAFTS = contextvars.ContextVar("mtp_exact_drafts", default=False)
 
 
 def decode_dtype(name: str, device: str | torch.device = "cpu", *,
@@ -126,10 +117,7 @@ def path_available(path: str, dtype: torch.dtype) -> bool:
             or dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
     if path == "mkl":
         return torch.backends.mkl.is_available() and dtype == torch.float32
-    if path == "int8":
-        return dtype == torch.float32 and "fbgemm" in torch.backends.quantized.supported_engines \
-            and hasattr(torch.ops.quantized, "linear_dynamic")
-    raise ValueError(f"unknown linear path {path!r}; choose from {', '.join(DRAFT_PATHS)}")
+    raise ValueError(f"unknown linear path {path!r}; choose from {', '.join(LINEAR_PATHS)}")
 
 
 def _eligible(module: nn.Linear) -> bool:
@@ -142,22 +130,14 @@ def _eligible(module: nn.Linear) -> bool:
             and "forward" not in vars(module))
 
 
-def _prepare(path: str, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """The weight as `path` multiplies by it (None: the weight itself); int8's holds the bias."""
+def _prepare(path: str, weight: torch.Tensor) -> torch.Tensor | None:
+    """The weight as `path` multiplies by it (None: the weight itself)."""
     with torch.no_grad():
         w = weight.detach()
         if path == "onednn":
             return torch.ops.mkldnn._reorder_linear_weight(w, _ONEDNN_ROWS_HINT)
         if path == "mkl":
             return torch.ops.mkl._mkl_reorder_linear_weight(w, 1)
-        if path == "int8":  # symmetric, a scale per output row
-            scale = (w.abs().amax(1).double() / 127).clamp(min=1e-12)
-            with warnings.catch_warnings():  # quantised tensors are marked for deprecation
-                warnings.simplefilter("ignore")
-                q = torch.quantize_per_channel(w, scale, torch.zeros_like(scale, dtype=torch.long),
-                                               0, torch.qint8)
-            return torch.ops.quantized.linear_prepack(
-                q, None if bias is None else bias.detach())
     return None
 
 
@@ -174,73 +154,40 @@ def _product(path: str, weight: torch.Tensor, bias: torch.Tensor | None,
             rows = x.reshape(-1, x.shape[-1]).contiguous()
             return torch.ops.mkl._mkl_linear(rows, prepared, w, b, 1).view(*x.shape[:-1], -1)
         return mkl
-    if path == "int8":
-        def int8(x: torch.Tensor) -> torch.Tensor:
-            rows = x.reshape(-1, x.shape[-1]).contiguous()
-            out = torch.ops.quantized.linear_dynamic(rows, prepared, True)  # 7-bit inputs
-            return out.view(*x.shape[:-1], -1)
-        return int8
     return lambda x: F.linear(x, w, b)
 
 
 def _prepared(module: nn.Linear, path: str) -> torch.Tensor | None:
-    w, b = module.weight, module.bias
-    key = (path, w.data_ptr(), w._version, tuple(w.shape), w.dtype,
-           None if b is None else (b.data_ptr(), b._version))
+    w = module.weight
+    key = (path, w.data_ptr(), w._version, tuple(w.shape), w.dtype)
     cached = _PREPARED.get(module)
     if cached is None or cached[0] != key:
-        cached = (key, _prepare(path, w, b))
+        cached = (key, _prepare(path, w))
         _PREPARED[module] = cached
     return cached[1]
 
 
-def _forward(module: nn.Linear, path: str,
-             drafting: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The module's forward on `path`; for a drafting layer, within `exact_drafts`, on the
-    path the target's layers of its shape take (chosen, and its weight prepared, at first
-    use)."""
+def _forward(module: nn.Linear, path: str) -> Callable[[torch.Tensor], torch.Tensor]:
     product = _product(path, module.weight, module.bias, _prepared(module, path))
     dtype = module.weight.dtype
-    exact = None
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        nonlocal exact
         if torch.is_grad_enabled() or x.dtype != dtype or x.device.type != "cpu":
             return F.linear(x, module.weight, module.bias)
-        if drafting and _EXACT_DRAFTS.get():
-            if exact is None:
-                p = choose_paths([module])[_shape_key(module)]["path"]
-                exact = product if p == path else _product(
-                    p, module.weight, module.bias, _prepare(p, module.weight, module.bias))
-            return exact(x)
         return product(x)
 
     return forward
-
-
-@contextmanager
-def exact_drafts() -> Iterator[None]:
-    """Within the block, the drafting layers of an enclosing `decode_linears` multiply on the
-    paths the target's layers of their shapes take (exact products, row-invariant where any
-    is), not on int8: the ablation of drafting in int8 (`mtp bench decode --exact-drafts`)."""
-    token = _EXACT_DRAFTS.set(True)
-    try:
-        yield
-    finally:
-        _EXACT_DRAFTS.reset(token)
 
 
 # --------------------------------------------------------------------------------------------
 # The choice: measured once per machine and shape, cached
 
 
-def _shape_key(module: nn.Linear, drafting: bool = False) -> str:
-    """`576x1536:bf16`, `+bias` where it has one: what a path's time depends on; `:draft` for
-    a drafter's layer, chosen among more paths (`DRAFT_PATHS`)."""
+def _shape_key(module: nn.Linear) -> str:
+    """`576x1536:bf16`, `+bias` where it has one: what a path's time depends on."""
     out, inp = module.weight.shape
     dtype = {torch.float32: "fp32", torch.bfloat16: "bf16"}[module.weight.dtype]
-    return f"{out}x{inp}{'+bias' if module.bias is not None else ''}:{dtype}" + \
-        (":draft" if drafting else "")
+    return f"{out}x{inp}{'+bias' if module.bias is not None else ''}:{dtype}"
 
 
 def _machine() -> str:
@@ -261,20 +208,17 @@ def _row_invariant(product: Callable[[torch.Tensor], torch.Tensor],
         return all(torch.equal(product(x[i:i + 1]), together[i:i + 1]) for i in range(len(x)))
 
 
-def _measure(module: nn.Linear, paths: list[str], budget_s: float = 0.4, *,
-             exact: bool = True) -> dict[str, float]:
+def _measure(module: nn.Linear, paths: list[str], budget_s: float = 0.4) -> dict[str, float]:
     """Each path's median seconds over one row plus over `ROUND_ROWS` rows, the paths taking
-    turns (so that a machine's drift falls on all alike), within about `budget_s`; where
-    `exact` (the target's layers), only the paths that are row-invariant on this shape
-    (`_row_invariant`), where any is: with them a speculative round's verify forward gives each
-    row exactly greedy's one-token logits."""
+    turns (so that a machine's drift falls on all alike), within about `budget_s`; only the
+    paths that are row-invariant on this shape (`_row_invariant`), where any is: with them a
+    speculative round's verify forward gives each row exactly greedy's one-token logits."""
     w, b = module.weight, module.bias
-    products = {p: _product(p, w, b, _prepare(p, w, b)) for p in paths}
+    products = {p: _product(p, w, b, _prepare(p, w)) for p in paths}
     rng = torch.Generator().manual_seed(0)  # the caller's random state stays as it was
     inputs = [torch.randn(rows, w.shape[1], generator=rng).to(w.dtype) for rows in (1, ROUND_ROWS)]
-    if exact:
-        invariant = {p: f for p, f in products.items() if _row_invariant(f, inputs[1])}
-        products = invariant or products
+    invariant = {p: f for p, f in products.items() if _row_invariant(f, inputs[1])}
+    products = invariant or products
     paths = list(products)
     times: dict[str, list[float]] = {p: [] for p in paths}
     with torch.no_grad():
@@ -304,23 +248,21 @@ def _read_cache(path) -> dict:
 
 def _entry(value) -> dict | None:
     """A cached shape's entry, `{"path": ..., "ms": {path: ms}}`, or None if it is not one."""
-    if isinstance(value, dict) and value.get("path") in DRAFT_PATHS and \
+    if isinstance(value, dict) and value.get("path") in LINEAR_PATHS and \
             isinstance(value.get("ms"), dict):
         return value
     return None
 
 
-def choose_paths(modules: list[nn.Linear], *, drafting: frozenset[nn.Linear] = frozenset(),
-                 cache: bool = True) -> dict[str, dict]:
-    """The path of each weight shape of `modules` (`_shape_key`; those in `drafting` a
-    drafter's, keyed apart and chosen among `DRAFT_PATHS`) and the times it was chosen by,
-    `{"path": "onednn", "ms": {"plain": 0.35, "onednn": 0.18}}` (ms of one row plus
+def choose_paths(modules: list[nn.Linear], *, cache: bool = True) -> dict[str, dict]:
+    """The path of each weight shape of `modules` (`_shape_key`) and the times it was chosen
+    by, `{"path": "onednn", "ms": {"plain": 0.35, "onednn": 0.18}}` (ms of one row plus
     `ROUND_ROWS` rows): read from the cache, else measured (and cached). A cache that cannot be
     written is warned about, not fatal."""
     from mtp.util.atomic import write_json
     from mtp.util.environment import cache_dir
 
-    shapes = {_shape_key(m, m in drafting): m for m in modules}
+    shapes = {_shape_key(m): m for m in modules}
     file = cache_dir() / _CACHE_FILE
     machine = _machine()
     seen = _SEEN.setdefault((str(file), machine), {}) if cache else {}
@@ -332,10 +274,8 @@ def choose_paths(modules: list[nn.Linear], *, drafting: frozenset[nn.Linear] = f
     missing = [k for k in shapes if k not in chosen]
     for key in missing:
         module = shapes[key]
-        drafts = module in drafting
-        paths = [p for p in (DRAFT_PATHS if drafts else LINEAR_PATHS)
-                 if path_available(p, module.weight.dtype)]
-        times = _measure(module, paths, exact=not drafts)
+        paths = [p for p in LINEAR_PATHS if path_available(p, module.weight.dtype)]
+        times = _measure(module, paths)
         chosen[key] = {"path": min(times, key=times.get),
                        "ms": {p: round(1000 * t, 4) for p, t in times.items()}}
     seen.update(chosen)
@@ -380,29 +320,14 @@ class LinearPaths:
         return "+".join(path for path, _ in self.layers.most_common()) or "none"
 
 
-def _drafting(models, drafters) -> frozenset[nn.Linear]:
-    """The linear layers that only draft: heads 2..K of `models` (MTP models' `heads`) and
-    every layer of `drafters`."""
-    found = []
-    for model in models:
-        heads = getattr(model, "heads", None)
-        if isinstance(heads, nn.ModuleList):
-            found += [m for head in list(heads)[1:] for m in head.modules()]
-    found += [m for d in drafters if d is not None for m in d.modules()]
-    return frozenset(m for m in found if isinstance(m, nn.Linear))
-
-
 @contextmanager
-def decode_linears(*models: nn.Module | None, path: str | None = None,
-                   drafters: tuple[nn.Module | None, ...] = ()) -> Iterator[LinearPaths]:
-    """Within the block, every `nn.Linear` of `models` and `drafters` with a CPU weight
-    multiplies on its shape's chosen path (`choose_paths`; `path` forces one where it is
-    available, else ``plain``) wherever gradients are off and its input has the weight's dtype
-    on the CPU; elsewhere it runs as before. Heads 2..K of `models` and the layers of
-    `drafters` (a drafter's own, `mtp.decoding.drafters.Drafter.layers`) draft only, so where no
-    path is forced they may take ``int8`` too (`DRAFT_PATHS`). On exit the modules are as they
-    were. Models on another device, or None, are left alone; so are modules an enclosing block
-    already took, so an outer `decode_linears` (a forced path) decides for `generate`'s own.
+def decode_linears(*models: nn.Module | None, path: str | None = None) -> Iterator[LinearPaths]:
+    """Within the block, every `nn.Linear` of `models` with a CPU weight multiplies on its
+    shape's chosen path (`choose_paths`; `path` forces one where it is available, else
+    ``plain``) wherever gradients are off and its input has the weight's dtype on the CPU;
+    elsewhere it runs as before. On exit the modules are as they were. Models on another
+    device, or None, are left alone; so are modules an enclosing block already took, so an
+    outer `decode_linears` (a forced path) decides for `generate`'s own.
 
     Compiled modules (`--compile.enabled`) run eagerly within the block: inductor cannot compile
     the prepared products, whose weights are inputs rather than constants, and the decode loop
@@ -412,11 +337,10 @@ def decode_linears(*models: nn.Module | None, path: str | None = None,
     forced = path or os.environ.get("MTP_LINEAR_PATH") or None
     if forced is not None and forced not in LINEAR_PATHS:
         raise ValueError(f"MTP_LINEAR_PATH={forced!r}: choose from {', '.join(LINEAR_PATHS)}")
-    modules = [m for model in (*models, *drafters) if model is not None for m in model.modules()
+    modules = [m for model in models if model is not None for m in model.modules()
                if isinstance(m, nn.Linear) and _eligible(m)]
-    drafting = _drafting(models, drafters) if forced is None else frozenset()
     if forced is None:
-        chosen = choose_paths(modules, drafting=drafting) if modules else {}
+        chosen = choose_paths(modules) if modules else {}
     else:
         chosen = {_shape_key(m): {"path": forced if path_available(forced, m.weight.dtype)
                                   else "plain"} for m in modules}
@@ -426,8 +350,8 @@ def decode_linears(*models: nn.Module | None, path: str | None = None,
         for module in modules:
             if "forward" in vars(module):  # listed twice (a model given twice, shared layers)
                 continue
-            choice = chosen[_shape_key(module, module in drafting)]["path"]
-            module.forward = _forward(module, choice, module in drafting)
+            choice = chosen[_shape_key(module)]["path"]
+            module.forward = _forward(module, choice)
             stack.callback(delattr, module, "forward")
             used.layers[choice] += 1
         yield used

@@ -173,7 +173,7 @@ def generate(
         policy = adaptive
     else:
         policy = Adaptive() if adaptive else Fixed()
-    with decode_linears(model, draft_model, drafters=(drafter.layers,)):
+    with decode_linears(model, draft_model, drafter.layers):
         run(ctx, prompts, drafter, policy)
     stats.seconds = time.perf_counter() - start
     return ctx.stopper.out, stats

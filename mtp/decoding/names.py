@@ -21,9 +21,5 @@ UNROLLED_MAX_HEADS = 16
 #: The products a decode forward's linear layers can run on (`mtp.decoding.arithmetic`).
 LINEAR_PATHS = ("plain", "onednn", "mkl")
 
-#: The products a drafter's own layers can run on besides: int8, approximate, which a draft may
-#: be (the verify forward decides what is kept).
-DRAFT_PATHS = (*LINEAR_PATHS, "int8")
-
 #: The dtypes a model decodes in (`--dtype`; `mtp.decoding.arithmetic.DTYPES`).
 DTYPE_NAMES = ("fp32", "bf16")

@@ -15,12 +15,10 @@ from torch import nn
 from mtp.config import ModelConfig
 from mtp.decoding import arithmetic
 from mtp.decoding.arithmetic import (
-    DRAFT_PATHS,
     LINEAR_PATHS,
     choose_paths,
     decode_dtype,
     decode_linears,
-    exact_drafts,
     path_available,
     to_decode_dtype,
 )
@@ -117,39 +115,28 @@ def test_greedy_output_is_the_same_whichever_path_runs():
 
 
 def test_the_choice_is_measured_once_and_cached_per_machine(tmp_path, monkeypatch):
-    """One measurement per weight shape (a drafting head's shapes apart from the target's, with
-    int8 among their candidates where this torch has it), cached with the times it was chosen
-    by, read back by later blocks, measured again where the cache is torn."""
     monkeypatch.setenv("MTP_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("MTP_LINEAR_PATH", raising=False)
     measured = []
 
-    def fake(module, paths, budget_s=0.4, exact=True):
-        measured.append((tuple(module.weight.shape), exact, tuple(paths)))
+    def fake(module, paths, budget_s=0.4):
+        measured.append(tuple(module.weight.shape))
         return {p: (0.5 if p == paths[-1] else 1.0) for p in paths}
 
     monkeypatch.setattr(arithmetic, "_measure", fake)
-    model = _model(head_type="deepseek")  # heads 2..K of their own linear layers
+    model = _model()
     with decode_linears(model) as used:
         pass
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    drafting = {m for head in list(model.heads)[1:] for m in head.modules()
-                if isinstance(m, nn.Linear)}
-    assert drafting and len(drafting) < len(linears)
-    shapes = {(tuple(m.weight.shape), m not in drafting) for m in linears}
-    assert sorted((s, e) for s, e, _ in measured) == sorted(shapes)  # once per shape and kind
-    draft_paths = [p for p in DRAFT_PATHS if path_available(p, torch.float32)]
-    assert {paths for _, exact, paths in measured} == \
-        {tuple(FP32_PATHS), tuple(draft_paths)}
-    assert set(used.layers) == {FP32_PATHS[-1], draft_paths[-1]}
+    shapes = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, nn.Linear)}
+    assert sorted(measured) == sorted(shapes)  # one measurement per shape, not per layer
+    assert used.name == FP32_PATHS[-1]
     cache = json.loads((tmp_path / "linear-paths.json").read_text())
     (machine, chosen), = cache.items()
     assert f"torch {torch.__version__}" in machine and "threads" in machine
-    for key, entry in chosen.items():
-        paths = draft_paths if key.endswith(":draft") else FP32_PATHS
-        assert entry == {"path": paths[-1],  # the times it was chosen by
-                         "ms": {p: 500.0 if p == paths[-1] else 1000.0 for p in paths}}
-    with decode_linears(_model(n_future=2, head_type="deepseek")):  # read back, none measured
+    assert {entry["path"] for entry in chosen.values()} == {FP32_PATHS[-1]}
+    assert all(entry["ms"] == {p: 500.0 if p == FP32_PATHS[-1] else 1000.0 for p in FP32_PATHS}
+               for entry in chosen.values())  # the times it was chosen by
+    with decode_linears(_model(n_future=2)):  # the same shapes: read back, none measured
         pass
     assert len(measured) == len(shapes)
     (tmp_path / "linear-paths.json").write_text("{not json")  # a torn cache: measured again
@@ -171,7 +158,7 @@ def test_a_cache_that_cannot_be_written_is_a_warning(tmp_path, monkeypatch):
     blocked = tmp_path / "file"
     blocked.write_text("")
     monkeypatch.setenv("MTP_CACHE_DIR", str(blocked / "cache"))  # below a file
-    monkeypatch.setattr(arithmetic, "_measure", lambda m, paths, budget_s=0.4, exact=True:
+    monkeypatch.setattr(arithmetic, "_measure", lambda m, paths, budget_s=0.4:
                         dict.fromkeys(paths, 1.0))
     with pytest.warns(UserWarning, match="measured again next time"):
         assert choose_paths([nn.Linear(8, 4, bias=False)])["4x8:fp32"]["path"] == "plain"
@@ -225,48 +212,3 @@ def test_the_chosen_path_is_row_invariant_wherever_a_candidate_is(tmp_path, monk
                                        arithmetic._prepare(path, lin.weight))
         if any(arithmetic._row_invariant(product(p), x) for p in FP32_PATHS):
             assert arithmetic._row_invariant(product(chosen), x), chosen
-
-
-@pytest.mark.skipif(not path_available("int8", torch.float32),
-                    reason="this torch has no FBGEMM int8 product")
-def test_int8_is_f_linear_to_a_percent_and_drafts_only(tmp_path, monkeypatch):
-    """The int8 product is `F.linear`'s to about 1% of its range; where it is the fastest, a
-    drafting head's layers take it and the target's never do, speculative greedy output is
-    greedy's, and within `exact_drafts` the drafting layers compute the exact product."""
-    torch.manual_seed(0)
-    lin = nn.Linear(96, 160)
-    x = torch.randn(5, 96)
-    with torch.no_grad():
-        got = arithmetic._product("int8", lin.weight, lin.bias,
-                                  arithmetic._prepare("int8", lin.weight, lin.bias))(x)
-        want = F.linear(x, lin.weight, lin.bias)
-    assert 0 < (got - want).abs().max() < 0.02 * want.abs().max()
-
-    monkeypatch.setenv("MTP_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv("MTP_LINEAR_PATH", raising=False)
-    monkeypatch.setattr(arithmetic, "_measure", lambda m, paths, budget_s=0.4, exact=True:
-                        {p: 0.5 if p == "int8" else 1.0 for p in paths})
-    taken = []
-    forward = arithmetic._forward
-    monkeypatch.setattr(arithmetic, "_forward", lambda module, path, drafting=False: taken.append(
-        (module, path)) or forward(module, path, drafting))
-    model = _model(head_type="deepseek")
-    prompts = [[5, 9, 2, 7], [3, 1, 4, 1, 5, 9, 2]]
-    greedy, _ = generate(model, prompts, 12)
-    spec, _ = generate(model, prompts, 12, decoder="tree")
-    assert spec == greedy
-    heads = {m for head in list(model.heads)[1:] for m in head.modules()}
-    int8 = {m for m, path in taken if path == "int8"}
-    assert int8 and int8 <= heads
-    assert all(path != "int8" for m, path in taken if m not in heads)
-    # `exact_drafts`: the drafting layers on the target's (exact) path for their shape instead
-    layer = next(iter(int8))
-    x = torch.randn(3, layer.in_features)
-    with torch.no_grad(), decode_linears(model):
-        approximate = layer(x)
-        with exact_drafts():
-            exact = layer(x)
-        assert torch.equal(layer(x), approximate)
-    want = F.linear(x, layer.weight, layer.bias)
-    assert not torch.equal(approximate, exact)
-    torch.testing.assert_close(exact, want, rtol=1e-5, atol=1e-5)

@@ -278,8 +278,7 @@ def test_bench_decode_writes_table_and_csv(ckpts, tmp_path, capsys) -> None:
     assert oracle["acceptance"] == "1.00/1.00/1.00" and float(oracle["L"]) == 10 / 4
 
 
-def test_bench_decode_lookup_whole_and_exact_drafts_add_the_ablation_rows(ckpts,
-                                                                          tmp_path) -> None:
+def test_bench_decode_lookup_whole_adds_the_ablation_rows(ckpts, tmp_path) -> None:
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": t[:12] * 2}) + "\n" for t in TEXTS))
     out_csv = tmp_path / "bench.csv"
@@ -287,12 +286,11 @@ def test_bench_decode_lookup_whole_and_exact_drafts_add_the_ablation_rows(ckpts,
                        "--max-new-tokens", "10", "--heads", "4",
                        "--repeat", "1", "--auto-tree", "0", "--decoders", "greedy,tree",
                        "--tree", "dynamic:6", "--lookup", "3", "--lookup-whole",
-                       "--exact-drafts", "--csv", str(out_csv)])
+                       "--csv", str(out_csv)])
     assert code == 0
     rows = {r["decoder"]: r for r in csv.DictReader(out_csv.open())}
-    trees = ["tree dynamic(6) h=4", "tree dynamic(6) h=4 + lookup 3",
-             "tree dynamic(6) h=4 + lookup 3 whole"]
-    assert list(rows) == ["greedy", *trees, *[f"{t} exact drafts" for t in trees]]
+    assert list(rows) == ["greedy", "tree dynamic(6) h=4", "tree dynamic(6) h=4 + lookup 3",
+                          "tree dynamic(6) h=4 + lookup 3 whole"]
     assert all(r["equal_to_greedy"] == "2/2" for r in rows.values())
 
 
