@@ -130,6 +130,10 @@ def _decode_args(p: argparse.ArgumentParser) -> None:
                    help="with --lookup beside a dynamic tree, also run each such row verifying "
                         "lookup's whole continuation every round, instead of the tokens worth "
                         "their forward time: the ablation of sizing the branch")
+    p.add_argument("--lookup-pooled", action="store_true",
+                   help="with --lookup beside a dynamic tree, also run each such row learning "
+                        "what lookup's tokens add over all rounds alike, instead of per kind of "
+                        "match: the ablation of learning it per kind")
     p.add_argument("--adaptive", action="store_true",
                    help="also run each speculative decoder with adaptive speculation")
     p.add_argument("--batch-size", type=int, default=1,

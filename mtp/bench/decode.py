@@ -116,10 +116,12 @@ def _flag_problems(args) -> list[str]:
         value = getattr(args, name)
         if value is not None and value < least:
             problems.append(f"--{name.replace('_', '-')} must be >= {least} (got {value})")
-    if args.lookup_whole and not (args.lookup and (args.dynamic_tree or args.tree.startswith(
-            "dynamic"))):
-        problems.append("--lookup-whole verifies lookup's branch whole beside a dynamic tree: it "
-                        "needs --lookup N and --tree dynamic[:N] or --dynamic-tree N")
+    for ablation in ("lookup_whole", "lookup_pooled"):
+        if getattr(args, ablation) and not (args.lookup and (
+                args.dynamic_tree or args.tree.startswith("dynamic"))):
+            problems.append(f"--{ablation.replace('_', '-')} is an ablation of lookup's branch "
+                            "beside a dynamic tree: it needs --lookup N and --tree dynamic[:N] "
+                            "or --dynamic-tree N")
     if args.prompt_tokens is not None and not any(
             s.partition("=")[0] == VALIDATION for s in _sources(args.prompts)):
         problems.append(f"--prompt-tokens is the length of a validation prompt: it needs "
@@ -331,17 +333,20 @@ def _configs(args, decoders: list[str], heads: list[int],
     return configs
 
 
-def _with_lookup(configs: list[_Config], lookup: int, whole: bool = False) -> list[_Config]:
+def _with_lookup(configs: list[_Config], lookup: int, whole: bool = False,
+                 pooled: bool = False) -> list[_Config]:
     """The heads' rows again, each with prompt lookup's branch of `lookup` tokens beside its
-    drafts; with `whole`, each dynamic tree's once more, verifying the branch whole every
-    round (`DynamicTree.whole_branch`)."""
+    drafts; each dynamic tree's once more per ablation asked: with `whole`, verifying the
+    branch whole every round (`DynamicTree.whole_branch`), with `pooled`, learning its worth
+    over all rounds alike (`DynamicTree.pooled_branch`)."""
     twins = [replace(c, name=f"{c.name} + lookup {lookup}", request=replace(c.request,
                      lookup=lookup), stats=DecodeStats(), seconds=[], outputs=[])
              for c in configs if c.decoder in HEAD_DECODERS]
-    if whole:
-        twins += [replace(c, name=f"{c.name} whole", request=replace(
-                      c.request, tree=replace(c.request.tree, whole_branch=True)))
-                  for c in twins if isinstance(c.request.tree, DynamicTree)]
+    ablations = [("whole", "whole_branch")] * whole + [("pooled", "pooled_branch")] * pooled
+    twins += [replace(c, name=f"{c.name} {suffix}", request=replace(
+                  c.request, tree=replace(c.request.tree, **{field: True})))
+              for suffix, field in ablations
+              for c in twins if isinstance(c.request.tree, DynamicTree)]
     return twins
 
 
@@ -375,7 +380,8 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     configs = _configs(args, decoders, heads, tree)
     # Every row's request, checked with the model (the reference's with the prompts) before
     # anything runs.
-    twins = _with_lookup(configs, args.lookup, args.lookup_whole) if args.lookup else []
+    twins = _with_lookup(configs, args.lookup, args.lookup_whole, args.lookup_pooled) \
+        if args.lookup else []
     rows = requests + [c.request for c in configs + twins]
     refuse(p, request_problems(rows, _flag, model=model, draft_model=draft, tokenizer=tokenizer,
                                draft_tokenizer=draft_tokenizer, measuring=True)
@@ -416,7 +422,7 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         configs.append(_Config(f"tree auto({args.auto_tree}) h={k}", "tree", decode_request(
             args, decoder="tree", heads=k, tree=auto, lookup=0)))
     if args.lookup:
-        configs += _with_lookup(configs, args.lookup, args.lookup_whole)
+        configs += _with_lookup(configs, args.lookup, args.lookup_whole, args.lookup_pooled)
     configs += [_Config(f"transformers {d}", d) for d in hf_decoders]
     # each dtype's rows, its greedy first; in bf16 greedy's and transformers' only (speculation
     # is exact in fp32 alone, `mtp.decoding.arithmetic`)
@@ -453,6 +459,9 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     for d in names:  # what the dynamic trees were sized by, where a row grew one
         for line in cost_lines(models[d]):
             print(f"{d}: {line}")
+    for c in configs:  # and what lookup's branch beside them was learnt to add
+        for line in c.stats.lookup_lines():
+            print(f"{c.name}: {line}")
     print(f"{len(configs)} decoders x {len(prompts)} prompts, {args.max_new_tokens} new tokens, "
           f"batch size {batch_size}, {args.repeat} repeats, {args.device}")
     sim = None

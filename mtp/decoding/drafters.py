@@ -345,7 +345,7 @@ class ParallelHeadsDynamicTree(ParallelHeadsTree):
         self.chances: torch.Tensor | None = None  # (h-1, top): the round's candidates' chances
         self.seconds: list[float] = []
         if lookup is not None:  # its branch sized by its worth, like the tree
-            self.worth = lookup.worth()
+            self.worth = lookup.worth(by_kind=not dynamic.pooled_branch)
 
     @property
     def slots_needed(self) -> int:
@@ -364,8 +364,9 @@ class ParallelHeadsDynamicTree(ParallelHeadsTree):
     def _round_tree(self, ctx: Context, n: int, branch: list[list[int]]) -> tuple[Tree, int]:
         if n == 0:
             return Tree.from_paths([]), 0
-        return self.dynamic.grow(self.chances[:n], self.seconds,
-                                 self.worth.gains(branch) if self.lookup is not None else ())
+        gains = self.worth.gains(branch, self.drafts[:, 0, 0].tolist()) \
+            if self.lookup is not None else ()
+        return self.dynamic.grow(self.chances[:n], self.seconds, gains)
 
     def advance(self, ctx, v) -> None:
         if self.lookup is not None and v.proposal.n:

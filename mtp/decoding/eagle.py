@@ -59,7 +59,7 @@ class EagleHeads(Drafter):
         self.layers = self.vocab.linear
         self.root: torch.Tensor | None = None  # (B, d): the cell at L - 1 of each row
         if self.dynamic is not None and lookup is not None:  # its branch sized like the tree
-            self.worth = lookup.worth()
+            self.worth = lookup.worth(by_kind=not self.dynamic.pooled_branch)
 
     @property
     def slots_needed(self) -> int:
@@ -192,10 +192,10 @@ class EagleHeads(Drafter):
             outs.extend(out.unbind(1))
             return self._children(ctx, out, self.top)
 
-        return self.dynamic.grow_by_levels(self.top, levels, pending,
-                                           self._children(ctx, self.root[:, None], self.top),
-                                           expand, self.seconds,
-                                           self.worth.gains(branch) if branch else ())
+        first = self._children(ctx, self.root[:, None], self.top)
+        gains = self.worth.gains(branch, first[0][:, 0, 0].tolist()) if branch else ()
+        return self.dynamic.grow_by_levels(self.top, levels, pending, first, expand,
+                                           self.seconds, gains)
 
     def _step(self, level: int) -> int:
         """The head (0-based) that drafts a node of `level` >= 1 from its parent: step level + 1

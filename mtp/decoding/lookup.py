@@ -12,7 +12,8 @@ the lookup's continuation as one more branch from the root beside the heads' cha
 Beside a dynamic tree the branch is sized like the tree, by what its tokens are worth against
 their forward time (`LookupWorth`, `DynamicTree.choose`): on a CPU whose forward over ten more
 tokens costs a few percent a round verifies all of them, on one where it costs forty percent
-only those likely to add a token the heads' tree would not.
+only those likely to add a token the heads' tree would not. What they add is learnt per kind of
+match (the n-gram length, and whether the branch starts with the heads' own first draft).
 """
 
 from __future__ import annotations
@@ -37,19 +38,24 @@ class Lookup:
     tokens: int = LOOKUP_TOKENS
     ngram: int = 2
     prompts: list[list[int]] = field(default_factory=list)
+    matched: list[int] = field(default_factory=list)
+    """The n-gram length each row's latest continuation matched (0: none)."""
 
     def start(self, prompts: list[list[int]]) -> None:
         self.prompts = prompts
 
     def continuations(self, ctx: Context, most: int) -> list[list[int]]:
-        """Each live row's continuation, at most min(most, tokens) long (maybe empty)."""
+        """Each live row's continuation, at most min(most, tokens) long (maybe empty); the
+        length of the n-gram each one matched goes to `matched` (0: none)."""
         most = min(most, self.tokens)
-        return [continuation(self.prompts[r] + ctx.stopper.out[r], most, self.ngram)
-                for r in ctx.rows]
+        found = [match(self.prompts[r] + ctx.stopper.out[r], most, self.ngram) for r in ctx.rows]
+        self.matched = [n for _, n in found]
+        return [tokens for tokens, _ in found]
 
-    def worth(self) -> LookupWorth:
-        """A learner of what each token of this lookup's branch adds beside a dynamic tree."""
-        return LookupWorth(self)
+    def worth(self, by_kind: bool = True) -> LookupWorth:
+        """A learner of what each token of this lookup's branch adds beside a dynamic tree,
+        per kind of match unless `by_kind` is False (the ablation: all rounds pooled)."""
+        return LookupWorth(self, by_kind)
 
     def padded(self, ctx: Context, most: int, device: torch.device) -> torch.Tensor:
         """The continuations as a (B, m) tensor, m the longest (`pad`)."""
@@ -67,32 +73,61 @@ class Lookup:
 
 #: What `LookupWorth` takes each branch token to add before it has seen any (worth one round).
 PRIOR_GAIN = 0.5
+#: How many rounds of a match kind its own estimate takes to outweigh the pooled one.
+KIND_PRIOR = 2.0
+
+
+class _Tally:
+    """What the scored rounds' branches added: at each position, their count and summed gain."""
+
+    def __init__(self, n: int, gain: float = 0.0, count: float = 0.0) -> None:
+        self.gain, self.count = [gain] * n, [count] * n
 
 
 class LookupWorth:
     """What each token of lookup's branch adds to a round beside the heads' tree, learnt as a
-    decode goes: `gains` estimates, for i = 1..tokens, the chance that the branch's first i
-    tokens are right while the tree's own accepted path is shorter than i, which is what the
-    i-th token adds to the tokens a round accepts. Every round's continuation is scored,
-    verified or not, once the text has gone past it, so a branch cut short still learns what a
-    longer one would have added."""
+    decode goes: the chance, for i = 1..tokens, that the branch's first i tokens are right while
+    the tree's own accepted path is shorter than i, which is what the i-th token adds to the
+    tokens a round accepts. Every round's continuation is scored, verified or not, once the text
+    has gone past it, so a branch cut short still learns what a longer one would have added.
 
-    def __init__(self, lookup: Lookup) -> None:
-        self.lookup = lookup
-        self.count = [1.0] * lookup.tokens
-        self.gain = [PRIOR_GAIN] * lookup.tokens
-        # Rounds not scored yet: row, the text's length at the round, its continuation and the
-        # tree's own accepted length.
-        self.open: list[tuple[int, int, list[int], int]] = []
+    A branch's worth depends on its match (`Lookup.continuations`): one after a 2-gram repeats
+    the text more surely than one after a single token, and one whose first token is the heads'
+    own first draft adds only where it runs past their tree, while one that contradicts them
+    adds where they are wrong. With `by_kind`, a kind (the n-gram length matched, and whether
+    the branch's first token is the heads' likeliest) keeps its own estimate, drawn towards the
+    pooled one by `KIND_PRIOR` rounds' weight until its rounds outweigh it."""
+
+    def __init__(self, lookup: Lookup, by_kind: bool = True) -> None:
+        self.lookup, self.by_kind = lookup, by_kind
+        self.pooled = _Tally(lookup.tokens, PRIOR_GAIN, 1.0)
+        self.kinds: dict[tuple[int, bool], _Tally] = {}
+        # Rounds not scored yet: row, the text's length at the round, its continuation, its
+        # match kind and the tree's own accepted length.
+        self.open: list[tuple[int, int, list[int], tuple[int, bool], int]] = []
         self.rows: list[list[int]] = []  # the current round's continuations
+        self.row_kinds: list[tuple[int, bool]] = []  # and their kinds
 
-    def gains(self, rows: list[list[int]]) -> list[float]:
-        """The gains of the branch of a round whose rows continue with `rows`: position i's
-        estimate times the share of rows that have an i-th token (one branch for the batch)."""
+    def rate(self, kind: tuple[int, bool], i: int) -> float:
+        """What token i + 1 of a branch of match kind `kind` adds, as estimated so far."""
+        pooled = self.pooled.gain[i] / self.pooled.count[i]
+        tally = self.kinds.get(kind) if self.by_kind else None
+        if tally is None:
+            return pooled
+        return (tally.gain[i] + KIND_PRIOR * pooled) / (tally.count[i] + KIND_PRIOR)
+
+    def gains(self, rows: list[list[int]], first: list[int] | None = None) -> list[float]:
+        """The gains of the branch of a round whose rows continue with `rows` (the latest
+        `Lookup.continuations`), where the heads' first drafts are `first` (one per row, their
+        likeliest token after the pending one; None: no heads): at position i, the mean over
+        the rows of each one's estimate at i, 0 for a row without an i-th token (one branch for
+        the batch)."""
         self.rows = rows
+        self.row_kinds = [(n, bool(first is not None and r and r[0] == first[j]))
+                          for j, (r, n) in enumerate(zip(rows, self.lookup.matched))]
         m = max(map(len, rows), default=0)
-        return [sum(len(r) > i for r in rows) / len(rows) * self.gain[i] / self.count[i]
-                for i in range(m)]
+        return [sum(self.rate(k, i) for r, k in zip(rows, self.row_kinds) if len(r) > i)
+                / len(rows) for i in range(m)]
 
     def observe(self, ctx: Context, v, n_tree: int) -> None:
         """After a round whose heads' tree was the first `n_tree` nodes of `v.proposal`: note
@@ -102,22 +137,34 @@ class LookupWorth:
         parent = tree.parent[:n_tree].tolist()
         out = ctx.stopper.out
         texts = {r: self.lookup.prompts[r] + out[r] + e for r, e in zip(ctx.rows, v.emitted)}
-        for r, cont, row_tokens, e in zip(ctx.rows, self.rows, tokens, v.emitted):
+        for r, cont, kind, row_tokens, e in zip(ctx.rows, self.rows, self.row_kinds, tokens,
+                                                v.emitted):
             start = len(texts[r]) - len(e)
-            self.open.append((r, start, cont, tree_accepted(row_tokens, parent, e)))
+            self.open.append((r, start, cont, kind, tree_accepted(row_tokens, parent, e)))
         still = []
-        for r, start, cont, a in self.open:
+        for r, start, cont, kind, a in self.open:
             text = texts.get(r)
             if text is None:  # the row has ended: what it wrote is all there is
                 text = self.lookup.prompts[r] + out[r]
             elif len(text) - start < len(cont):
-                still.append((r, start, cont, a))
+                still.append((r, start, cont, kind, a))
                 continue
+            if not cont:
+                continue
+            tally = self.kinds.setdefault(kind, _Tally(self.lookup.tokens))
+            rounds, added = ctx.stats.lookup_worth.setdefault(kind, ([], []))
             right = 0
             for i, tok in enumerate(cont[: len(text) - start]):
-                self.count[i] += 1
                 right += right == i and tok == text[start + i]
-                self.gain[i] += right > i and a <= i
+                gain = right > i and a <= i
+                for t in (self.pooled, tally):
+                    t.count[i] += 1
+                    t.gain[i] += gain
+                if i == len(rounds):
+                    rounds.append(0)
+                    added.append(0)
+                rounds[i] += 1
+                added[i] += gain
         self.open = still
 
 
@@ -135,19 +182,24 @@ def tree_accepted(tokens: list[int], parent: list[int], emitted: list[int]) -> i
     return depth
 
 
-def continuation(seq: list[int], most: int, ngram: int) -> list[int]:
+def match(seq: list[int], most: int, ngram: int) -> tuple[list[int], int]:
     """The up to `most` tokens that followed the latest earlier occurrence of seq's last n
-    tokens, for the largest n <= ngram that occurs earlier; [] if none does."""
+    tokens, for the largest n <= ngram that occurs earlier, and that n; ([], 0) if none does."""
     if most <= 0:
-        return []
+        return [], 0
     for n in range(min(ngram, len(seq) - 1), 0, -1):
         tail = seq[-n:]
         last = tail[-1]
         # Occurrences start at i <= len(seq) - n - 1, so at least one token follows them.
         for i in range(len(seq) - n - 1, -1, -1):
             if seq[i + n - 1] == last and seq[i : i + n] == tail:
-                return seq[i + n : i + n + most]
-    return []
+                return seq[i + n : i + n + most], n
+    return [], 0
+
+
+def continuation(seq: list[int], most: int, ngram: int) -> list[int]:
+    """`match`'s tokens."""
+    return match(seq, most, ngram)[0]
 
 
 class LookupChain(Drafter):

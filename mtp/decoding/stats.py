@@ -56,6 +56,11 @@ class DecodeStats:
     round_seconds: dict[tuple[int, int], list[float]] = field(default_factory=dict)
     """Wall-clock seconds of each round after the prefill, keyed by the shape of its verify
     forward: (rows, tokens per row)."""
+    lookup_worth: dict[tuple[int, bool], tuple[list[int], list[int]]] = field(
+        default_factory=dict)
+    """Beside a dynamic tree, lookup's scored rounds by kind of match (n-gram length, first
+    token the heads' first draft or not: `mtp.decoding.lookup.LookupWorth`): at each position
+    i, the rounds whose continuation reached it and the tokens its token i + 1 added."""
 
     @property
     def tokens_per_forward(self) -> float:
@@ -93,6 +98,18 @@ class DecodeStats:
         self.drafts_chosen = add_counts(self.drafts_chosen, other.drafts_chosen)
         for t, s in other.round_seconds.items():
             self.round_seconds.setdefault(t, []).extend(s)
+        for kind, (rounds, added) in other.lookup_worth.items():
+            mine = self.lookup_worth.get(kind, ([], []))
+            self.lookup_worth[kind] = (add_counts(mine[0], rounds), add_counts(mine[1], added))
+
+    def lookup_lines(self) -> list[str]:
+        """`lookup_worth` as lines, a kind each: its rounds and what each position added."""
+        lines = []
+        for (n, agree), (rounds, added) in sorted(self.lookup_worth.items()):
+            gains = " ".join(f"{a / r:.2f}" for r, a in zip(rounds, added))
+            lines.append(f"{n}-gram match, first token {'=' if agree else '!='} the heads' "
+                         f"first draft: {rounds[0]} rounds; tokens added by position {gains}")
+        return lines
 
     def count(self, emitted: Sequence[int]) -> None:
         """Record one forward whose rows produced `emitted` tokens each."""

@@ -147,6 +147,9 @@ class DynamicTree:
     whole_branch: bool = False
     """Verify a branch beside the tree (prompt lookup's) whole every round, instead of the
     tokens worth their forward time (`choose`): the ablation of that choice."""
+    pooled_branch: bool = False
+    """Learn what the branch's tokens add over all its rounds alike, instead of per kind of
+    match (`mtp.decoding.lookup.LookupWorth`): the ablation of that."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_nodes <= MAX_TREE_NODES or self.top < 1:

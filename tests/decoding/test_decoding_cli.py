@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -278,7 +279,7 @@ def test_bench_decode_writes_table_and_csv(ckpts, tmp_path, capsys) -> None:
     assert oracle["acceptance"] == "1.00/1.00/1.00" and float(oracle["L"]) == 10 / 4
 
 
-def test_bench_decode_lookup_whole_adds_the_ablation_rows(ckpts, tmp_path) -> None:
+def test_bench_decode_lookup_ablations_add_their_rows(ckpts, tmp_path, capsys) -> None:
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": t[:12] * 2}) + "\n" for t in TEXTS))
     out_csv = tmp_path / "bench.csv"
@@ -286,12 +287,18 @@ def test_bench_decode_lookup_whole_adds_the_ablation_rows(ckpts, tmp_path) -> No
                        "--max-new-tokens", "10", "--heads", "4",
                        "--repeat", "1", "--auto-tree", "0", "--decoders", "greedy,tree",
                        "--tree", "dynamic:6", "--lookup", "3", "--lookup-whole",
-                       "--csv", str(out_csv)])
+                       "--lookup-pooled", "--csv", str(out_csv)])
     assert code == 0
     rows = {r["decoder"]: r for r in csv.DictReader(out_csv.open())}
     assert list(rows) == ["greedy", "tree dynamic(6) h=4", "tree dynamic(6) h=4 + lookup 3",
-                          "tree dynamic(6) h=4 + lookup 3 whole"]
+                          "tree dynamic(6) h=4 + lookup 3 whole",
+                          "tree dynamic(6) h=4 + lookup 3 pooled"]
     assert all(r["equal_to_greedy"] == "2/2" for r in rows.values())
+    # what each lookup row learnt its branch to add, by kind of match (repeated text: some)
+    out = capsys.readouterr().out
+    for name in list(rows)[2:]:
+        assert re.search(rf"^{re.escape(name)}: \d-gram match, first token !?= the heads' first "
+                         r"draft: \d+ rounds; tokens added by position [\d. ]+$", out, re.M), name
 
 
 def test_bench_decode_bad_input(ckpts, capsys) -> None:
@@ -308,8 +315,8 @@ def test_bench_decode_bad_input(ckpts, capsys) -> None:
         (["--limit", "0"], "--limit must be >= 1"),
         (["--tree", "2,-1"], "--tree must be"),
         (["--prompts", "nowhere.jsonl"], "--prompts: nowhere.jsonl is neither"),
-        (["--lookup", "3", "--lookup-whole"], "--lookup-whole verifies lookup's branch whole"),
-        (["--tree", "dynamic", "--lookup-whole"], "it needs --lookup N and --tree dynamic"),
+        (["--lookup", "3", "--lookup-whole"], "--lookup-whole is an ablation of lookup's branch"),
+        (["--tree", "dynamic", "--lookup-pooled"], "it needs --lookup N and --tree dynamic"),
     ]:
         with pytest.raises(SystemExit) as e:
             bench_main(["--ckpt", ckpts["k4"], *args])
