@@ -344,8 +344,6 @@ class ParallelHeadsDynamicTree(ParallelHeadsTree):
         self.max_nodes = dynamic.max_nodes
         self.chances: torch.Tensor | None = None  # (h-1, top): the round's candidates' chances
         self.seconds: list[float] = []
-        if lookup is not None:  # its branch sized by its worth, like the tree
-            self.worth = lookup.worth(by_kind=not dynamic.pooled_branch)
 
     @property
     def slots_needed(self) -> int:
@@ -355,6 +353,9 @@ class ParallelHeadsDynamicTree(ParallelHeadsTree):
         from mtp.decoding.cost import verify_seconds
 
         self.seconds = verify_seconds(ctx.model, len(prompts), self.slots_needed)
+        if self.lookup is not None:  # its branch sized by its worth, like the tree
+            self.worth = self.lookup.worth(ctx.stats.lookup_worth,
+                                           by_kind=not self.dynamic.pooled_branch)
         super().start(ctx, prompts, trunk, pending)
 
     def _draft(self, ctx, z) -> None:

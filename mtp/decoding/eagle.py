@@ -58,8 +58,6 @@ class EagleHeads(Drafter):
         self.vocab = DraftVocab(model)  # the draft vocabulary's rows, gathered once per decode
         self.layers = self.vocab.linear
         self.root: torch.Tensor | None = None  # (B, d): the cell at L - 1 of each row
-        if self.dynamic is not None and lookup is not None:  # its branch sized like the tree
-            self.worth = lookup.worth(by_kind=not self.dynamic.pooled_branch)
 
     @property
     def slots_needed(self) -> int:
@@ -87,6 +85,9 @@ class EagleHeads(Drafter):
             extra = self.lookup.tokens if self.lookup is not None else 0
             self.seconds = verify_seconds(ctx.model, len(prompts),
                                           self.dynamic.max_nodes + 1 + extra)
+            if self.lookup is not None:  # its branch sized like the tree
+                self.worth = self.lookup.worth(ctx.stats.lookup_worth,
+                                               by_kind=not self.dynamic.pooled_branch)
         h, rope = trunk
         lengths = torch.tensor([len(p) for p in prompts], device=h.device)
         nxt = torch.zeros(h.shape[:2], dtype=torch.long, device=h.device)

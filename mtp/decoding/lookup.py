@@ -52,10 +52,11 @@ class Lookup:
         self.matched = [n for _, n in found]
         return [tokens for tokens, _ in found]
 
-    def worth(self, by_kind: bool = True) -> LookupWorth:
+    def worth(self, scored: dict, by_kind: bool = True) -> LookupWorth:
         """A learner of what each token of this lookup's branch adds beside a dynamic tree,
-        per kind of match unless `by_kind` is False (the ablation: all rounds pooled)."""
-        return LookupWorth(self, by_kind)
+        keeping its scored rounds in `scored` (the decode's `DecodeStats.lookup_worth`), per
+        kind of match unless `by_kind` is False (the ablation: all rounds pooled)."""
+        return LookupWorth(self, scored, by_kind)
 
     def padded(self, ctx: Context, most: int, device: torch.device) -> torch.Tensor:
         """The continuations as a (B, m) tensor, m the longest (`pad`)."""
@@ -77,13 +78,6 @@ PRIOR_GAIN = 0.5
 KIND_PRIOR = 2.0
 
 
-class _Tally:
-    """What the scored rounds' branches added: at each position, their count and summed gain."""
-
-    def __init__(self, n: int, gain: float = 0.0, count: float = 0.0) -> None:
-        self.gain, self.count = [gain] * n, [count] * n
-
-
 class LookupWorth:
     """What each token of lookup's branch adds to a round beside the heads' tree, learnt as a
     decode goes: the chance, for i = 1..tokens, that the branch's first i tokens are right while
@@ -98,23 +92,17 @@ class LookupWorth:
     the branch's first token is the heads' likeliest) keeps its own estimate, drawn towards the
     pooled one by `KIND_PRIOR` rounds' weight until its rounds outweigh it."""
 
-    def __init__(self, lookup: Lookup, by_kind: bool = True) -> None:
+    def __init__(self, lookup: Lookup, scored: dict[tuple[int, bool], tuple[list[int], list[int]]],
+                 by_kind: bool = True) -> None:
         self.lookup, self.by_kind = lookup, by_kind
-        self.pooled = _Tally(lookup.tokens, PRIOR_GAIN, 1.0)
-        self.kinds: dict[tuple[int, bool], _Tally] = {}
+        # kind -> (rounds, added): at each position, the scored rounds whose continuation
+        # reached it and the tokens it added (`DecodeStats.lookup_worth`)
+        self.scored = scored
         # Rounds not scored yet: row, the text's length at the round, its continuation, its
         # match kind and the tree's own accepted length.
         self.open: list[tuple[int, int, list[int], tuple[int, bool], int]] = []
         self.rows: list[list[int]] = []  # the current round's continuations
         self.row_kinds: list[tuple[int, bool]] = []  # and their kinds
-
-    def rate(self, kind: tuple[int, bool], i: int) -> float:
-        """What token i + 1 of a branch of match kind `kind` adds, as estimated so far."""
-        pooled = self.pooled.gain[i] / self.pooled.count[i]
-        tally = self.kinds.get(kind) if self.by_kind else None
-        if tally is None:
-            return pooled
-        return (tally.gain[i] + KIND_PRIOR * pooled) / (tally.count[i] + KIND_PRIOR)
 
     def gains(self, rows: list[list[int]], first: list[int] | None = None) -> list[float]:
         """The gains of the branch of a round whose rows continue with `rows` (the latest
@@ -126,8 +114,25 @@ class LookupWorth:
         self.row_kinds = [(n, bool(first is not None and r and r[0] == first[j]))
                           for j, (r, n) in enumerate(zip(rows, self.lookup.matched))]
         m = max(map(len, rows), default=0)
-        return [sum(self.rate(k, i) for r, k in zip(rows, self.row_kinds) if len(r) > i)
-                / len(rows) for i in range(m)]
+        return [sum(self._rate(k, i, pooled) for r, k in zip(rows, self.row_kinds) if len(r) > i)
+                / len(rows) for i, pooled in enumerate(self._pooled(m))]
+
+    def _pooled(self, m: int) -> list[float]:
+        """Positions 1..m's estimates over every kind, each starting from `PRIOR_GAIN`."""
+        rounds, added = [1.0] * m, [PRIOR_GAIN] * m
+        for r, a in self.scored.values():
+            for i in range(min(m, len(r))):
+                rounds[i] += r[i]
+                added[i] += a[i]
+        return [a / r for r, a in zip(rounds, added)]
+
+    def _rate(self, kind: tuple[int, bool], i: int, pooled: float) -> float:
+        """Position i + 1's estimate for a branch of match kind `kind`, drawn towards the
+        `pooled` one."""
+        rounds, added = self.scored.get(kind, ((), ())) if self.by_kind else ((), ())
+        if i >= len(rounds):
+            return pooled
+        return (added[i] + KIND_PRIOR * pooled) / (rounds[i] + KIND_PRIOR)
 
     def observe(self, ctx: Context, v, n_tree: int) -> None:
         """After a round whose heads' tree was the first `n_tree` nodes of `v.proposal`: note
@@ -151,20 +156,15 @@ class LookupWorth:
                 continue
             if not cont:
                 continue
-            tally = self.kinds.setdefault(kind, _Tally(self.lookup.tokens))
-            rounds, added = ctx.stats.lookup_worth.setdefault(kind, ([], []))
+            rounds, added = self.scored.setdefault(kind, ([], []))
             right = 0
             for i, tok in enumerate(cont[: len(text) - start]):
                 right += right == i and tok == text[start + i]
-                gain = right > i and a <= i
-                for t in (self.pooled, tally):
-                    t.count[i] += 1
-                    t.gain[i] += gain
                 if i == len(rounds):
                     rounds.append(0)
                     added.append(0)
                 rounds[i] += 1
-                added[i] += gain
+                added[i] += right > i and a <= i
         self.open = still
 
 

@@ -118,8 +118,8 @@ def test_lookup_worth_learns_what_the_branch_adds_beyond_the_tree() -> None:
     assert tree_accepted([4, 5, 9], [0, 0, 1], [7]) == 0
     lookup = Lookup(tokens=3)
     lookup.start([[1, 2, 3]])
-    worth = LookupWorth(lookup, by_kind=False)
     ctx = SimpleNamespace(rows=[0], stopper=SimpleNamespace(out=[[4]]), stats=DecodeStats())
+    worth = LookupWorth(lookup, ctx.stats.lookup_worth, by_kind=False)
     assert _gains(worth, [[5, 6]], [2]) == [PRIOR_GAIN, PRIOR_GAIN]
     # The target writes 5, 6, 8: the branch 5, 6, 7 has two right, the tree 5 -> 9 one.
     _round(worth, ctx, [5, 6, 7], [4, 5, 9], [0, 0, 1], [5, 6, 8])
@@ -152,8 +152,8 @@ def test_lookup_worth_by_kind_of_match_draws_each_kind_towards_the_pooled_estima
 
     lookup = Lookup(tokens=2)
     lookup.start([[1, 2, 3]])
-    worth = LookupWorth(lookup)
     ctx = SimpleNamespace(rows=[0], stopper=SimpleNamespace(out=[[4]]), stats=DecodeStats())
+    worth = LookupWorth(lookup, ctx.stats.lookup_worth)
     # Three rounds of 2-grams that contradict the heads (first draft 7) and are right where
     # the tree accepts nothing; one 1-gram round that agrees with them (first draft 5) and is
     # wrong at its second token.
