@@ -161,6 +161,46 @@ def test_beside_a_dynamic_tree_lookup_verifies_the_tokens_worth_their_time(cycli
         assert not verified and stats.tokens_per_forward == 1.0
 
 
+@pytest.mark.parametrize("cyclic", ["block", "eagle"], indirect=True)
+def test_lookup_kinds_compare_the_branch_with_the_heads_first_draft(cyclic, monkeypatch):
+    """The heads' first draft that a continuation's kind is judged against is the token of the
+    round's tree node at depth 1 and rank 0 (head 2's likeliest, or the root's likeliest child
+    for eagle's layer), row by row; the decode's stats keep the kinds it scored."""
+    from mtp.decoding import cost
+    from mtp.decoding.lookup import LookupWorth
+
+    model = cyclic
+    prompts = cyclic_prompts(model, 4, seed=5)
+    most = 8 + 1 + 4
+    cost._measured.setdefault(model, {})[(len(prompts), most, torch.get_num_threads())] = \
+        [1.0] * most  # every node free: the tree holds its likeliest first-level node
+    firsts, checked = [], []
+    gains, observe = LookupWorth.gains, LookupWorth.observe
+
+    def record(self, rows, first=None):
+        firsts.append(first)
+        return gains(self, rows, first)
+
+    def check(self, ctx, v, n_tree):
+        tt = v.proposal.tree
+        node = [j for j in range(n_tree) if tt.depth[j] == 1 and tt.rank[j] == 0]
+        if node:
+            checked.append(firsts[-1] == v.proposal.tokens[:, node[0]].tolist())
+        return observe(self, ctx, v, n_tree)
+
+    monkeypatch.setattr(LookupWorth, "gains", record)
+    monkeypatch.setattr(LookupWorth, "observe", check)
+    try:
+        want, _ = generate(model, prompts, 30)
+        got, stats = generate(model, prompts, 30, decoder="tree",
+                              tree=DynamicTree(max_nodes=8), lookup=4)
+    finally:
+        del cost._measured[model]
+    assert got == want
+    assert checked and all(checked)
+    assert stats.lookup_worth and {n for n, _ in stats.lookup_worth} <= {1, 2}
+
+
 @pytest.mark.parametrize("head_type", ["block", "deepseek", "eagle"])
 def test_dynamic_trees_of_untrained_heads_keep_greedys_output(head_type):
     model = random_model(0, head_type=head_type)
