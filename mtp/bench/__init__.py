@@ -134,6 +134,9 @@ def _decode_args(p: argparse.ArgumentParser) -> None:
                    help="with --lookup beside a dynamic tree, also run each such row learning "
                         "what lookup's tokens add over all rounds alike, instead of per kind of "
                         "match: the ablation of learning it per kind")
+    p.add_argument("--draft-int8", action="store_true",
+                   help="also run each row of eagle's layer (self-spec, tree, and their lookup "
+                        "rows) drafting with 8-bit integer products (generate's draft_int8)")
     p.add_argument("--adaptive", action="store_true",
                    help="also run each speculative decoder with adaptive speculation")
     p.add_argument("--batch-size", type=int, default=1,

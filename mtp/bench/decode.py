@@ -122,6 +122,10 @@ def _flag_problems(args) -> list[str]:
             problems.append(f"--{ablation.replace('_', '-')} is an ablation of lookup's branch "
                             "beside a dynamic tree: it needs --lookup N and --tree dynamic[:N] "
                             "or --dynamic-tree N")
+    if args.draft_int8 and not {"self-spec", "tree"} & {
+            d.strip() for d in args.decoders.split(",")}:
+        problems.append("--draft-int8 adds rows of eagle's layer drafting with 8-bit integer "
+                        "products: it needs self-spec or tree in --decoders")
     if args.prompt_tokens is not None and not any(
             s.partition("=")[0] == VALIDATION for s in _sources(args.prompts)):
         problems.append(f"--prompt-tokens is the length of a validation prompt: it needs "
@@ -350,6 +354,14 @@ def _with_lookup(configs: list[_Config], lookup: int, whole: bool = False,
     return twins
 
 
+def _int8_twins(configs: list[_Config]) -> list[_Config]:
+    """The rows of the heads' decoders once more, eagle's layer drafting with 8-bit integer
+    products (`--draft-int8`, `generate(draft_int8=True)`)."""
+    return [replace(c, name=f"{c.name} int8 drafts", request=replace(c.request, draft_int8=True),
+                    policy=None, stats=DecodeStats(), seconds=[], outputs=[])
+            for c in configs if c.request is not None and c.decoder in HEAD_DECODERS]
+
+
 def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """`mtp bench decode`: print the table and append it to `--csv`."""
     tree, problems = check_args(args, several_dtypes=True)
@@ -382,6 +394,8 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     # anything runs.
     twins = _with_lookup(configs, args.lookup, args.lookup_whole, args.lookup_pooled) \
         if args.lookup else []
+    if args.draft_int8:
+        twins += _int8_twins(configs + twins)
     rows = requests + [c.request for c in configs + twins]
     refuse(p, request_problems(rows, _flag, model=model, draft_model=draft, tokenizer=tokenizer,
                                draft_tokenizer=draft_tokenizer, measuring=True)
@@ -423,6 +437,8 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             args, decoder="tree", heads=k, tree=auto, lookup=0)))
     if args.lookup:
         configs += _with_lookup(configs, args.lookup, args.lookup_whole, args.lookup_pooled)
+    if args.draft_int8:
+        configs += _int8_twins(configs)
     configs += [_Config(f"transformers {d}", d) for d in hf_decoders]
     # each dtype's rows, its greedy first; in bf16 greedy's and transformers' only (speculation
     # is exact in fp32 alone, `mtp.decoding.arithmetic`)

@@ -27,6 +27,12 @@ sums). Prepared weights are made once and kept beside each module (keyed by the 
 and version, so a weight changed in place is prepared again); those of ``onednn`` and ``mkl``
 cost as much memory as the weights they mirror.
 
+Drafting need not be exact: whatever the drafts, the verify forward keeps greedy's output. With
+`draft_int8` (`generate(draft_int8=True)`, `--draft-int8`) eagle's layer drafts with 8-bit integer
+products (`int8_products`): weights quantised per output row once, activations per call (torch's
+dynamically quantised product, fbgemm's kernels), so that reading a weight, what a product over a
+few rows costs, reads a quarter of the bytes. The verify forward stays as above.
+
 ``--dtype bf16`` (`decode_dtype`, `to_decode_dtype`) decodes with bf16 weights and activations where
 the CPU multiplies bf16 natively (avx512_bf16 or AMX); elsewhere it is refused, as emulated bf16 is
 slower than fp32. The rotary tables stay fp64, norms compute in fp32 (`mtp.model.layers`), and on a
@@ -57,7 +63,8 @@ from torch import nn
 from mtp.decoding.names import DTYPE_NAMES, LINEAR_PATHS
 
 __all__ = ["DTYPES", "LINEAR_PATHS", "ROUND_ROWS", "LinearPaths", "choose_paths",
-           "decode_dtype", "decode_linears", "path_available", "to_decode_dtype"]
+           "decode_dtype", "decode_linears", "int8_available", "int8_products", "int8_weight",
+           "path_available", "to_decode_dtype"]
 
 #: `--dtype`'s values.
 DTYPES = dict(zip(DTYPE_NAMES, (torch.float32, torch.bfloat16), strict=True))
@@ -355,3 +362,87 @@ def decode_linears(*models: nn.Module | None, path: str | None = None) -> Iterat
             stack.callback(delattr, module, "forward")
             used.layers[choice] += 1
         yield used
+
+
+# --------------------------------------------------------------------------------------------
+# Drafting in 8-bit integers
+
+# module -> ((weight storage, version, shape), packed int8 weight); weak, as `_PREPARED`
+_INT8: WeakKeyDictionary[nn.Linear, tuple[tuple, torch.Tensor]] = WeakKeyDictionary()
+
+
+def int8_available() -> bool:
+    """Whether this torch build has the CPU's dynamically quantised product (fbgemm's kernels,
+    torch's `x86` or `fbgemm` quantised engine)."""
+    return bool({"x86", "fbgemm"} & set(torch.backends.quantized.supported_engines)) and \
+        hasattr(torch.ops.quantized, "linear_dynamic")
+
+
+def int8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`weight` (out, in) quantised symmetrically per output row: its int8 values and each row's
+    scale (its largest magnitude over 127), so that weight ~ values * scale[:, None]."""
+    w = weight.detach().float()
+    scale = (w.abs().amax(1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+    return (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale
+
+
+def _pack_int8(module: nn.Linear) -> torch.Tensor:
+    w = module.weight
+    key = (w.data_ptr(), w._version, tuple(w.shape))
+    cached = _INT8.get(module)
+    if cached is None or cached[0] != key:
+        values, scale = int8_weight(w)
+        with warnings.catch_warnings():  # torch marks its quantised tensors for removal
+            warnings.simplefilter("ignore")
+            q = torch._make_per_channel_quantized_tensor(
+                values, scale.double(), torch.zeros(len(scale), dtype=torch.long), 0)
+            bias = None if module.bias is None else module.bias.detach().float()
+            cached = (key, torch.ops.quantized.linear_prepack(q, bias))
+        _INT8[module] = cached
+    return cached[1]
+
+
+def _int8_forward(module: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+    packed = _pack_int8(module)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu":
+            return F.linear(x, module.weight, module.bias)
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        # reduce_range: 7-bit activations, whose pairwise products cannot saturate the 16-bit
+        # sums of CPUs without VNNI (AVX2's vpmaddubsw)
+        return torch.ops.quantized.linear_dynamic(rows, packed, True).view(*x.shape[:-1], -1)
+
+    return forward
+
+
+@contextmanager
+def int8_products(modules: list[nn.Linear]) -> Iterator[None]:
+    """Within the block, each of `modules` (fp32 weights on the CPU) multiplies in 8-bit
+    integers wherever gradients are off and its input is fp32 on the CPU: its weight quantised
+    per output row (`int8_weight`, packed once and kept beside the module), its input per call
+    over all its elements (7 bits, from their range), the sums in int32, the result in fp32,
+    whatever path an enclosing `decode_linears` gave it (a `decode_linears` within leaves it as
+    it is). On exit the modules are as they were.
+
+    Raises:
+        ValueError: a module whose weight is not fp32 on the CPU, or no int8 product in this
+            torch build.
+    """
+    if modules and not int8_available():
+        raise ValueError(f"torch {torch.__version__} has no int8 product on the CPU (fbgemm)")
+    for m in modules:
+        if m.weight.device.type != "cpu" or m.weight.dtype != torch.float32:
+            raise ValueError(f"int8 products take fp32 weights on the CPU (got "
+                             f"{m.weight.dtype} on {m.weight.device})")
+    before = {m: vars(m).get("forward") for m in modules}  # an enclosing block's, or none
+    try:
+        for m in before:
+            m.forward = _int8_forward(m)
+        yield
+    finally:
+        for m, forward in before.items():
+            if forward is None:
+                vars(m).pop("forward", None)
+            else:
+                m.forward = forward

@@ -322,6 +322,9 @@ def generate_main(argv: list[str]) -> int:
     p.add_argument("--compare", choices=["greedy", "none"], default=None,
                    help="rerun the greedy baseline for the speedup and output equality (default: "
                         "greedy for every decoder but greedy)")
+    p.add_argument("--draft-int8", action="store_true",
+                   help="eagle's layer drafts with 8-bit integer products on the CPU (self-spec "
+                        "and tree; the output is unchanged)")
     p.add_argument("--show-drafts", choices=["auto", "color", "markers", "none"], default="auto",
                    help="how tokens from accepted drafts are shown: colour on a terminal, "
                         "[[...]] otherwise (auto), or not at all")
@@ -334,7 +337,8 @@ def generate_main(argv: list[str]) -> int:
     except UnicodeEncodeError as e:
         problems.append(f"--prompt is not UTF-8 text (character {e.start + 1} is the byte "
                         f"{ord(args.prompt[e.start]) & 0xFF:#04x}); give it in UTF-8")
-    request = decode_request(args, decoder=args.decoder, heads=args.heads, tree=tree)
+    request = decode_request(args, decoder=args.decoder, heads=args.heads, tree=tree,
+                             draft_int8=args.draft_int8)
     refuse(p, problems + request_problems([request]))
     model, tokenizer, draft, draft_tokenizer = load(p, args, draft=args.decoder == "draft")
     ids = tokenizer.encode(args.prompt).ids

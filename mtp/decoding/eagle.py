@@ -57,6 +57,11 @@ class EagleHeads(Drafter):
         self.by_shape: dict = {}  # a round's tree and lookup length -> `tree_tensors`
         self.vocab = DraftVocab(model)  # the draft vocabulary's rows, gathered once per decode
         self.layers = self.vocab.linear
+        # Drafting's products, but `fuse`: it reads the trunk's blocks' outputs side by side, whose
+        # few large channels would set one 8-bit scale for all, at a cost to the drafts.
+        layer = model.heads[1]
+        self.int8_linears = [m for m in (*layer.modules(), self.layers)
+                             if isinstance(m, torch.nn.Linear) and m is not layer.fuse]
         self.root: torch.Tensor | None = None  # (B, d): the cell at L - 1 of each row
 
     @property

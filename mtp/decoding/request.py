@@ -17,6 +17,9 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import torch
+
+from mtp.decoding.arithmetic import int8_available
 from mtp.decoding.names import DECODERS, HEAD_DECODERS, LOOKUP_TOKENS, UNROLLED_MAX_HEADS
 from mtp.decoding.tree import DynamicTree, Tree
 from mtp.model.transformer import MTPTransformer
@@ -110,6 +113,9 @@ class DecodeRequest:
     `lookup` its drafts (0: `LOOKUP_TOKENS`)."""
     lookup_ngram: int = 2
     """Prompt lookup matches the last lookup_ngram..1 tokens."""
+    draft_int8: bool = False
+    """Eagle's layer drafts with 8-bit integer products (`mtp.decoding.arithmetic.int8_products`);
+    the output is unchanged."""
 
     @property
     def temperature_used(self) -> float:
@@ -197,6 +203,12 @@ class DecodeRequest:
             bad("lookup_ngram", "{lookup_ngram} must be >= 1 (got {got})", got=self.lookup_ngram)
         if (self.lookup > 0 or d == "lookup") and t > 0:
             bad("lookup", "prompt lookup is verified greedily: it takes no {temperature}")
+        if self.draft_int8 and d not in HEAD_DECODERS:
+            bad("draft_int8", "{draft_int8} is how eagle's layer drafts with {decoder} self-spec "
+                "and tree: {decoder} {got} drafts with no layer", got=d)
+        elif self.draft_int8 and not int8_available():
+            bad("draft_int8", "{draft_int8}: torch {v} has no int8 product on the CPU (fbgemm)",
+                v=torch.__version__)
 
         # What the model (and the draft model) allows
         if model is not None:
@@ -219,6 +231,15 @@ class DecodeRequest:
                     "{head_type}) is not supported; use parallel or eagle heads, or {decoder} "
                     "lookup",
                     head_type=cfg.head_type)
+            if self.draft_int8 and d in HEAD_DECODERS:
+                p = next(model.parameters())
+                if not model.unrolled:
+                    bad("draft_int8", "{draft_int8} drafts with eagle's layer, but {model}'s "
+                        "heads are {head_type} (--model.head_type)", head_type=cfg.head_type)
+                elif p.device.type != "cpu" or p.dtype != torch.float32:
+                    bad("draft_int8", "{draft_int8} multiplies on the CPU from fp32 weights; "
+                        "{model} is {kind} on {device}", kind=str(p.dtype).removeprefix("torch."),
+                        device=p.device)
             if d == "tree" and isinstance(self.tree, Tree) and self.tree.depth:
                 widest = max(self.tree.widths())
                 ranked = cfg.draft_vocab or cfg.vocab_size  # the tokens heads 2..K rank

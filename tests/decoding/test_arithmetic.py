@@ -1,7 +1,8 @@
 """The arithmetic of a decode forward (`mtp.decoding.arithmetic`): every linear path computes
 `F.linear`'s product, in force only inside the block and only where it applies; the choice is
 measured once and cached per machine; bf16 decoding keeps the rotary tables and is refused where
-the CPU has no bf16 products."""
+the CPU has no bf16 products; drafting's int8 products are the quantised product, in force only
+inside their block."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ from mtp.decoding.arithmetic import (
     choose_paths,
     decode_dtype,
     decode_linears,
+    int8_available,
+    int8_products,
+    int8_weight,
     path_available,
     to_decode_dtype,
 )
@@ -212,3 +216,64 @@ def test_the_chosen_path_is_row_invariant_wherever_a_candidate_is(tmp_path, monk
                                        arithmetic._prepare(path, lin.weight))
         if any(arithmetic._row_invariant(product(p), x) for p in FP32_PATHS):
             assert arithmetic._row_invariant(product(chosen), x), chosen
+
+
+needs_int8 = pytest.mark.skipif(not int8_available(), reason="no int8 product in this torch")
+
+
+def _quantised_product(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """The product of `int8_products` written out: the weight per output row to int8 with a
+    symmetric scale, x over all its elements to 7 bits (0..127) from its range (0 included)."""
+    q, scale = int8_weight(lin.weight)
+    assert torch.equal(q.float().abs().amax(1), torch.full((lin.out_features,), 127.0))
+    lo, hi = min(x.min().item(), 0.0), max(x.max().item(), 0.0)
+    step = (hi - lo) / 127
+    zero = round(-lo / step)
+    xq = (torch.round(x / step) + zero).clamp(0, 127)
+    out = ((xq - zero) * step) @ (q.float() * scale[:, None]).T
+    return out if lin.bias is None else out + lin.bias.detach()
+
+
+@needs_int8
+@pytest.mark.parametrize("rows", [1, 5, 17])
+@pytest.mark.parametrize("bias", [False, True])
+def test_int8_products_are_the_quantised_product(rows, bias):
+    """Inside the block a layer multiplies as the quantised product written out (to fp32
+    rounding), which differs from the exact one within the quantisation's own bound."""
+    torch.manual_seed(rows)
+    lin = nn.Linear(96, 40, bias=bias)
+    x = torch.randn(2, rows, 96) * 3 + 0.5
+    with torch.no_grad():
+        exact = lin(x)
+        with int8_products([lin]):
+            got = lin(x)
+    want = _quantised_product(lin, x.reshape(-1, 96)).view(2, rows, 40)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    # |error| <= half a step of x times sum |w| + sum |x| times half a weight step (+ rounding)
+    _, scale = int8_weight(lin.weight)
+    step = (x.max().item() - min(x.min().item(), 0.0)) / 127
+    bound = (step / 2 * lin.weight.abs().sum(1) + x.abs().sum(-1, keepdim=True) * scale / 2)
+    assert ((got - exact).abs() <= bound * 1.001 + 1e-5).all()
+    assert not torch.equal(got, exact)
+
+
+@needs_int8
+def test_int8_products_hold_only_inside_their_block_and_over_an_enclosing_path():
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 32)
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        plain = lin(x)
+        with decode_linears(lin, path="plain"):
+            with int8_products([lin, lin]):  # listed twice: taken once
+                inside = lin(x)
+                with decode_linears(lin):  # a path chosen within leaves it as it is
+                    assert torch.equal(lin(x), inside)
+            assert torch.equal(lin(x), plain)  # the enclosing path again
+        assert "forward" not in vars(lin) and torch.equal(lin(x), plain)
+    assert torch.allclose(inside, _quantised_product(lin, x), rtol=1e-5, atol=1e-5)
+    with int8_products([lin]):  # with gradients on, the exact product
+        assert torch.equal(lin(x), plain)
+    with pytest.raises(ValueError, match="int8 products take fp32 weights on the CPU"):
+        with int8_products([nn.Linear(4, 4).to(torch.bfloat16)]):
+            pass

@@ -17,6 +17,7 @@ from tokenizers import Tokenizer
 import mtp.bench
 from mtp.cli import main
 from mtp.config import ModelConfig
+from mtp.decoding.arithmetic import int8_available
 from mtp.decoding.cli import dtype_problems, generate_main
 from mtp.model.checkpoint import save_checkpoint
 from mtp.model.transformer import MTPTransformer
@@ -299,6 +300,55 @@ def test_bench_decode_lookup_ablations_add_their_rows(ckpts, tmp_path, capsys) -
     for name in list(rows)[2:]:
         assert re.search(rf"^{re.escape(name)}: \d-gram match, first token !?= the heads' first "
                          r"draft: \d+ rounds; tokens added by position [\d. ]+$", out, re.M), name
+
+
+@pytest.fixture(scope="module")
+def eagle_ckpt(tmp_path_factory) -> str:
+    """A K = 4 checkpoint of eagle's layer."""
+    torch.manual_seed(4)
+    cfg = ModelConfig.from_name("debug", vocab_size=320, n_future=4, max_seq_len=64,
+                                head_type="eagle")
+    path = str(tmp_path_factory.mktemp("eagle") / "eagle.ckpt")
+    save_checkpoint(path, MTPTransformer(cfg), _tokenizer())
+    return path
+
+
+@pytest.mark.skipif(not int8_available(), reason="no int8 product in this torch")
+def test_draft_int8_from_generate_and_the_bench(eagle_ckpt, ckpts, tmp_path, capsys) -> None:
+    """`mtp generate --draft-int8` keeps greedy's output; `mtp bench decode --draft-int8` adds
+    each eagle row again drafting in int8, beside it; both refuse it where no eagle layer
+    drafts, naming the flag."""
+    assert main(["generate", "--ckpt", eagle_ckpt, "--prompt", TEXTS[1][:20], "--decoder",
+                 "tree", "--tree", "dynamic:6", "--lookup", "3", "--draft-int8",
+                 "--max-new-tokens", "12"]) == 0
+    assert "outputs equal: yes" in capsys.readouterr().out
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": t[:12] * 2}) + "\n" for t in TEXTS))
+    out_csv = tmp_path / "bench.csv"
+    assert bench_main(["--ckpt", eagle_ckpt, "--prompts", str(prompts), "--limit", "2",
+                       "--max-new-tokens", "10", "--heads", "3", "--repeat", "1",
+                       "--auto-tree", "0", "--decoders", "greedy,self-spec,tree",
+                       "--tree", "dynamic:6", "--lookup", "3", "--draft-int8",
+                       "--csv", str(out_csv)]) == 0
+    rows = {r["decoder"]: r for r in csv.DictReader(out_csv.open())}
+    heads = ["self-spec h=3", "tree dynamic(6) h=3", "self-spec h=3 + lookup 3",
+             "tree dynamic(6) h=3 + lookup 3"]
+    assert list(rows) == ["greedy", *heads, *[f"{name} int8 drafts" for name in heads]]
+    assert all(r["equal_to_greedy"] == "2/2" for r in rows.values())
+    for argv, message in [
+        (["--ckpt", eagle_ckpt, "--decoders", "greedy,lookup", "--draft-int8"],
+         "--draft-int8 adds rows of eagle's layer drafting with 8-bit integer products: it "
+         "needs self-spec or tree in --decoders"),
+        (["--ckpt", ckpts["k4"], "--decoders", "greedy,tree", "--draft-int8"],
+         "--draft-int8 drafts with eagle's layer, but --ckpt's heads are block"),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            bench_main(argv)
+        assert e.value.code == 2 and message in capsys.readouterr().err, argv
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--ckpt", eagle_ckpt, "--prompt", "x", "--draft-int8"])
+    assert e.value.code == 2 and "--draft-int8 is how eagle's layer drafts with --decoder " \
+        "self-spec and tree: --decoder greedy drafts with no layer" in capsys.readouterr().err
 
 
 def test_bench_decode_bad_input(ckpts, capsys) -> None:

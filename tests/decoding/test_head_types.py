@@ -5,6 +5,7 @@ way in tests/decoding/test_decoding.py."""
 from __future__ import annotations
 
 import functools
+from collections import Counter
 
 import pytest
 import torch
@@ -22,10 +23,12 @@ from decoding_helpers import (
     tiny_model,
     train_cyclic,
 )
+from torch import nn
 
-from mtp.decoding import cascaded, eagle
+from mtp.decoding import arithmetic, cascaded, eagle
+from mtp.decoding.arithmetic import int8_available
 from mtp.decoding.generation import generate
-from mtp.decoding.tree import Tree
+from mtp.decoding.tree import DynamicTree, Tree
 
 torch.set_num_threads(1)
 
@@ -263,3 +266,54 @@ def test_eagle_with_feature_layers_drafts_its_teacher_forced_chain(monkeypatch):
                    {"decoder": "tree", "tree": DynamicTree(max_nodes=8, top=3)},
                    {"decoder": "self-spec", "lookup": 4}):
         assert generate(model, prompts, 16, **kwargs)[0] == ref, kwargs
+
+
+@pytest.mark.skipif(not int8_available(), reason="no int8 product in this torch")
+@pytest.mark.parametrize(("decoder", "kwargs"), [
+    ("self-spec", {}), ("tree", {}), ("tree", {"tree": DynamicTree(max_nodes=8), "lookup": 4})])
+def test_eagle_drafting_in_int8_keeps_greedys_output(monkeypatch, decoder, kwargs):
+    """`draft_int8`: greedy's output, drafts still accepted, and every product of eagle's
+    layer and the draft vocabulary in int8 but `fuse` (the trunk's features), nothing else."""
+    real, calls = arithmetic._int8_forward, Counter()
+
+    def counted(module):
+        forward = real(module)
+
+        def count(x):
+            calls[module] += 1
+            return forward(x)
+        return count
+
+    monkeypatch.setattr(arithmetic, "_int8_forward", counted)
+    featured = random_model(head_type="eagle", feature_layers=[1], draft_vocab=64)
+    for model in (*_trained("eagle"), featured):
+        prompts = random_prompts(6, model.cfg.vocab_size, seed=5) if model is featured else \
+            cyclic_prompts(model, 6, seed=5)
+        ref, _ = generate(model, prompts, 24)
+        calls.clear()
+        out, stats = generate(model, prompts, 24, decoder=decoder, draft_int8=True, **kwargs)
+        assert out == ref
+        layer = model.heads[1]
+        drafting = {m for m in layer.modules() if isinstance(m, nn.Linear) and m is not layer.fuse}
+        outside = set(calls) - drafting  # the draft vocabulary's rows, the drafter's own layer
+        assert drafting <= set(calls) and not outside & set(model.modules())
+        if model.cfg.draft_vocab:
+            assert len(outside) == 1 and torch.equal(outside.pop().weight, model.head_unembed(1))
+        else:
+            assert not outside
+        assert not any("forward" in vars(m) for m in model.modules())
+        if model is _trained("eagle")[0]:
+            assert stats.tokens_per_forward > 1.5
+    assert featured.heads[1].fuse is not None
+
+
+def test_draft_int8_is_refused_where_no_eagle_layer_drafts():
+    from mtp.decoding import RequestError
+
+    block = random_model()
+    with pytest.raises(RequestError, match="draft_int8 drafts with eagle's layer, but the "
+                       "model's heads are block"):
+        generate(block, [[1, 2, 3]], 4, decoder="tree", draft_int8=True)
+    with pytest.raises(RequestError, match="draft_int8 is how eagle's layer drafts with decoder "
+                       "self-spec and tree: decoder greedy drafts with no layer"):
+        generate(_trained("eagle")[0], [[1, 2, 3]], 4, draft_int8=True)
