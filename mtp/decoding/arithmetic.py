@@ -375,6 +375,7 @@ def int8_available() -> bool:
     """Whether this torch build has the CPU's dynamically quantised product (fbgemm's kernels,
     torch's `x86` or `fbgemm` quantised engine)."""
     return bool({"x86", "fbgemm"} & set(torch.backends.quantized.supported_engines)) and \
+        hasattr(torch, "_make_per_channel_quantized_tensor") and \
         hasattr(torch.ops.quantized, "linear_dynamic")
 
 
