@@ -20,7 +20,6 @@ from mtp.decoding.arithmetic import (
     choose_paths,
     decode_dtype,
     decode_linears,
-    int8_available,
     int8_products,
     int8_weight,
     path_available,
@@ -218,8 +217,6 @@ def test_the_chosen_path_is_row_invariant_wherever_a_candidate_is(tmp_path, monk
             assert arithmetic._row_invariant(product(chosen), x), chosen
 
 
-needs_int8 = pytest.mark.skipif(not int8_available(), reason="no int8 product in this torch")
-
 
 def _quantised_product(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """The product of `int8_products` written out: the weight per output row to int8 with a
@@ -234,7 +231,6 @@ def _quantised_product(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return out if lin.bias is None else out + lin.bias.detach()
 
 
-@needs_int8
 @pytest.mark.parametrize("rows", [1, 5, 17])
 @pytest.mark.parametrize("bias", [False, True])
 def test_int8_products_are_the_quantised_product(rows, bias):
@@ -257,7 +253,6 @@ def test_int8_products_are_the_quantised_product(rows, bias):
     assert not torch.equal(got, exact)
 
 
-@needs_int8
 def test_int8_products_hold_only_inside_their_block_and_over_an_enclosing_path():
     torch.manual_seed(0)
     lin = nn.Linear(64, 32)
@@ -277,3 +272,18 @@ def test_int8_products_hold_only_inside_their_block_and_over_an_enclosing_path()
     with pytest.raises(ValueError, match="int8 products take fp32 weights on the CPU"):
         with int8_products([nn.Linear(4, 4).to(torch.bfloat16)]):
             pass
+
+
+def test_int8_drafting_is_refused_where_torch_has_no_int8_product(monkeypatch):
+    """Without the quantised product (a torch build without fbgemm), `int8_products` raises and
+    `generate(draft_int8=True)` is refused naming the argument; with it, both hold here."""
+    from mtp.decoding import RequestError, request
+
+    assert arithmetic.int8_available()  # the x86 CPU wheel this project pins has fbgemm
+    monkeypatch.setattr(arithmetic, "int8_available", lambda: False)
+    monkeypatch.setattr(request, "int8_available", lambda: False)
+    with pytest.raises(ValueError, match="has no int8 product on the CPU"):
+        with int8_products([nn.Linear(4, 4)]):
+            pass
+    with pytest.raises(RequestError, match="draft_int8: torch .* has no int8 product"):
+        generate(_model(head_type="eagle"), [[1, 2, 3]], 4, decoder="tree", draft_int8=True)

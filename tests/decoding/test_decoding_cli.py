@@ -17,7 +17,6 @@ from tokenizers import Tokenizer
 import mtp.bench
 from mtp.cli import main
 from mtp.config import ModelConfig
-from mtp.decoding.arithmetic import int8_available
 from mtp.decoding.cli import dtype_problems, generate_main
 from mtp.model.checkpoint import save_checkpoint
 from mtp.model.transformer import MTPTransformer
@@ -313,7 +312,6 @@ def eagle_ckpt(tmp_path_factory) -> str:
     return path
 
 
-@pytest.mark.skipif(not int8_available(), reason="no int8 product in this torch")
 def test_draft_int8_from_generate_and_the_bench(eagle_ckpt, ckpts, tmp_path, capsys) -> None:
     """`mtp generate --draft-int8` keeps greedy's output; `mtp bench decode --draft-int8` adds
     each eagle row again drafting in int8, beside it; both refuse it where no eagle layer

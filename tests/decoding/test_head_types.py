@@ -26,7 +26,6 @@ from decoding_helpers import (
 from torch import nn
 
 from mtp.decoding import arithmetic, cascaded, eagle
-from mtp.decoding.arithmetic import int8_available
 from mtp.decoding.generation import generate
 from mtp.decoding.tree import DynamicTree, Tree
 
@@ -268,7 +267,6 @@ def test_eagle_with_feature_layers_drafts_its_teacher_forced_chain(monkeypatch):
         assert generate(model, prompts, 16, **kwargs)[0] == ref, kwargs
 
 
-@pytest.mark.skipif(not int8_available(), reason="no int8 product in this torch")
 @pytest.mark.parametrize(("decoder", "kwargs"), [
     ("self-spec", {}), ("tree", {}), ("tree", {"tree": DynamicTree(max_nodes=8), "lookup": 4})])
 def test_eagle_drafting_in_int8_keeps_greedys_output(monkeypatch, decoder, kwargs):
