@@ -272,8 +272,9 @@ class MTPTransformer(nn.Module):
         if not self.cfg.draft_vocab:
             return self.unembed(z)
         rows = self.head_unembed(1) if rows is None else rows
-        out = z.new_full((*z.shape[:-1], self.cfg.vocab_size), float("-inf"))
-        return out.index_copy_(-1, self.draft_ids, z @ rows.T)
+        scores = z @ rows.T  # in the product's dtype (bf16 under autocast), as `unembed`'s
+        out = scores.new_full((*z.shape[:-1], self.cfg.vocab_size), float("-inf"))
+        return out.index_copy_(-1, self.draft_ids, scores)
 
     def head_states(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                     tokens: torch.Tensor | None = None, heads: int | None = None,

@@ -150,6 +150,24 @@ def test_speculative_sampling_with_a_draft_vocabulary_is_exact():
     assert any(1 in row for row in out)  # head 1 still emits the token no head drafts
 
 
+@pytest.mark.parametrize("head_type", ["block", "deepseek", "eagle"])
+def test_draft_logits_under_bf16_autocast(head_type):
+    """Under bf16 autocast heads 2..K give logits in the product's dtype, as head 1 does: the
+    fp32 forward's over the draft vocabulary (to bf16's precision), -inf elsewhere."""
+    model = _model(head_type)
+    x = torch.randint(0, model.cfg.vocab_size, (2, 9))
+    with torch.no_grad():
+        ref = model(x, heads=3)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x, heads=3)
+    assert out.dtype == torch.bfloat16
+    outside = torch.ones(model.cfg.vocab_size, dtype=torch.bool)
+    outside[model.draft_ids] = False
+    assert torch.isneginf(out[1:, ..., outside]).all()
+    ids = model.draft_ids
+    torch.testing.assert_close(out[1:, ..., ids].float(), ref[1:, ..., ids], atol=0.05, rtol=0.05)
+    torch.testing.assert_close(out[0].float(), ref[0], atol=0.05, rtol=0.05)
+
 def test_fit_takes_the_most_frequent_training_tokens(tiny_corpus, tmp_path, monkeypatch):
     from mtp.cli import main
     from mtp.model.checkpoint import load_checkpoint
