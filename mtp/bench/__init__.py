@@ -135,7 +135,7 @@ def _decode_args(p: argparse.ArgumentParser) -> None:
                         "what lookup's tokens add over all rounds alike, instead of per kind of "
                         "match: the ablation of learning it per kind")
     p.add_argument("--draft-int8", action="store_true",
-                   help="also run each row of eagle's layer (self-spec, tree, and their lookup "
+                   help="also run each row of the heads (self-spec, tree, and their lookup "
                         "rows) drafting with 8-bit integer products (generate's draft_int8)")
     p.add_argument("--adaptive", action="store_true",
                    help="also run each speculative decoder with adaptive speculation")

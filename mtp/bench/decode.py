@@ -124,7 +124,7 @@ def _flag_problems(args) -> list[str]:
                             "or --dynamic-tree N")
     if args.draft_int8 and not {"self-spec", "tree"} & {
             d.strip() for d in args.decoders.split(",")}:
-        problems.append("--draft-int8 adds rows of eagle's layer drafting with 8-bit integer "
+        problems.append("--draft-int8 adds rows of the heads drafting with 8-bit integer "
                         "products: it needs self-spec or tree in --decoders")
     if args.prompt_tokens is not None and not any(
             s.partition("=")[0] == VALIDATION for s in _sources(args.prompts)):
@@ -355,8 +355,8 @@ def _with_lookup(configs: list[_Config], lookup: int, whole: bool = False,
 
 
 def _int8_twins(configs: list[_Config]) -> list[_Config]:
-    """The rows of the heads' decoders once more, eagle's layer drafting with 8-bit integer
-    products (`--draft-int8`, `generate(draft_int8=True)`)."""
+    """The rows of the heads' decoders once more, drafting with 8-bit integer products
+    (`--draft-int8`, `generate(draft_int8=True)`)."""
     return [replace(c, name=f"{c.name} int8 drafts", request=replace(c.request, draft_int8=True),
                     policy=None, stats=DecodeStats(), seconds=[], outputs=[])
             for c in configs if c.request is not None and c.decoder in HEAD_DECODERS]

@@ -28,7 +28,7 @@ and version, so a weight changed in place is prepared again); those of ``onednn`
 cost as much memory as the weights they mirror.
 
 Drafting need not be exact: whatever the drafts, the verify forward keeps greedy's output. With
-`draft_int8` (`generate(draft_int8=True)`, `--draft-int8`) eagle's layer drafts with 8-bit integer
+`draft_int8` (`generate(draft_int8=True)`, `--draft-int8`) the heads draft with 8-bit integer
 products (`int8_products`): weights quantised per output row once, activations per call (torch's
 dynamically quantised product, fbgemm's kernels), so that reading a weight, what a product over a
 few rows costs, reads a quarter of the bytes. The verify forward stays as above.
@@ -61,6 +61,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtp.decoding.names import DTYPE_NAMES, LINEAR_PATHS
+from mtp.decoding.stacked import StackedLinear
 
 __all__ = ["DTYPES", "LINEAR_PATHS", "ROUND_ROWS", "LinearPaths", "choose_paths",
            "decode_dtype", "decode_linears", "int8_available", "int8_products", "int8_weight",
@@ -367,8 +368,8 @@ def decode_linears(*models: nn.Module | None, path: str | None = None) -> Iterat
 # --------------------------------------------------------------------------------------------
 # Drafting in 8-bit integers
 
-# module -> ((weight storage, version, shape), packed int8 weight); weak, as `_PREPARED`
-_INT8: WeakKeyDictionary[nn.Linear, tuple[tuple, torch.Tensor]] = WeakKeyDictionary()
+# module -> ((weight storage, version, shape), packed int8 weights); weak, as `_PREPARED`
+_INT8: WeakKeyDictionary[nn.Module, tuple[tuple, list[torch.Tensor]]] = WeakKeyDictionary()
 
 
 def int8_available() -> bool:
@@ -387,44 +388,62 @@ def int8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale
 
 
-def _pack_int8(module: nn.Linear) -> torch.Tensor:
-    w = module.weight
+def _maps(module: nn.Module) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor | None]]]:
+    """A linear module's weight tensor and its maps, each (weight (out, in), bias or None): one
+    for an `nn.Linear`, J for a `StackedLinear` (heads 2..h as one module)."""
+    if isinstance(module, StackedLinear):
+        w, b = module.weight_t, module.bias  # (J, in, out), (J, 1, out) or None
+        return w, [(w[j].T, None if b is None else b[j, 0]) for j in range(len(w))]
+    return module.weight, [(module.weight, module.bias)]
+
+
+def _pack_int8(module: nn.Module) -> list[torch.Tensor]:
+    w, maps = _maps(module)
     key = (w.data_ptr(), w._version, tuple(w.shape))
     cached = _INT8.get(module)
     if cached is None or cached[0] != key:
-        values, scale = int8_weight(w)
-        with warnings.catch_warnings():  # torch marks its quantised tensors for removal
-            warnings.simplefilter("ignore")
-            q = torch._make_per_channel_quantized_tensor(
-                values, scale.double(), torch.zeros(len(scale), dtype=torch.long), 0)
-            bias = None if module.bias is None else module.bias.detach().float()
-            cached = (key, torch.ops.quantized.linear_prepack(q, bias))
+        packed = []
+        for weight, bias in maps:
+            values, scale = int8_weight(weight)
+            with warnings.catch_warnings():  # torch marks its quantised tensors for removal
+                warnings.simplefilter("ignore")
+                q = torch._make_per_channel_quantized_tensor(
+                    values, scale.double(), torch.zeros(len(scale), dtype=torch.long), 0)
+                packed.append(torch.ops.quantized.linear_prepack(
+                    q, None if bias is None else bias.detach().float()))
+        cached = (key, packed)
         _INT8[module] = cached
     return cached[1]
 
 
-def _int8_forward(module: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+def _int8_forward(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     packed = _pack_int8(module)
+    exact = type(module).forward.__get__(module)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu":
-            return F.linear(x, module.weight, module.bias)
-        rows = x.reshape(-1, x.shape[-1]).contiguous()
+            return exact(x)
+        # (J, rows, in): a stacked module's J maps each take their own slice of the leading axis
+        parts = x.reshape(len(packed), -1, x.shape[-1])
         # reduce_range: 7-bit activations, whose pairwise products cannot saturate the 16-bit
         # sums of CPUs without VNNI (AVX2's vpmaddubsw)
-        return torch.ops.quantized.linear_dynamic(rows, packed, True).view(*x.shape[:-1], -1)
+        out = [torch.ops.quantized.linear_dynamic(part.contiguous(), p, True)
+               for part, p in zip(parts, packed, strict=True)]
+        out = out[0] if len(out) == 1 else torch.stack(out)
+        return out.view(*x.shape[:-1], -1)
 
     return forward
 
 
 @contextmanager
-def int8_products(modules: list[nn.Linear]) -> Iterator[None]:
-    """Within the block, each of `modules` (fp32 weights on the CPU) multiplies in 8-bit
-    integers wherever gradients are off and its input is fp32 on the CPU: its weight quantised
-    per output row (`int8_weight`, packed once and kept beside the module), its input per call
-    over all its elements (7 bits, from their range), the sums in int32, the result in fp32,
-    whatever path an enclosing `decode_linears` gave it (a `decode_linears` within leaves it as
-    it is). On exit the modules are as they were.
+def int8_products(modules: list[nn.Module]) -> Iterator[None]:
+    """Within the block, each of `modules` (`nn.Linear` or `mtp.decoding.stacked.StackedLinear`,
+    fp32 weights on the CPU) multiplies in 8-bit integers wherever gradients are off and its
+    input is fp32 on the CPU: each weight quantised per output row (`int8_weight`, packed once
+    and kept beside the module), its input per call over all its elements (7 bits, from their
+    range), the sums in int32, the result in fp32, whatever path an enclosing `decode_linears`
+    gave it (a `decode_linears` within leaves it as it is). On exit the modules are as they
+    were.
 
     Raises:
         ValueError: a module whose weight is not fp32 on the CPU, or no int8 product in this
@@ -433,9 +452,10 @@ def int8_products(modules: list[nn.Linear]) -> Iterator[None]:
     if modules and not int8_available():
         raise ValueError(f"torch {torch.__version__} has no int8 product on the CPU (fbgemm)")
     for m in modules:
-        if m.weight.device.type != "cpu" or m.weight.dtype != torch.float32:
+        w = _maps(m)[0]
+        if w.device.type != "cpu" or w.dtype != torch.float32:
             raise ValueError(f"int8 products take fp32 weights on the CPU (got "
-                             f"{m.weight.dtype} on {m.weight.device})")
+                             f"{w.dtype} on {w.device})")
     before = {m: vars(m).get("forward") for m in modules}  # an enclosing block's, or none
     try:
         for m in before:

@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch import nn
 
 from mtp.decoding.engine import (
     Context,
@@ -43,7 +44,7 @@ from mtp.decoding.engine import (
 )
 from mtp.decoding.origin import DRAFT_MODEL, HEAD_1, LOOKUP, ORACLE
 from mtp.decoding.sampling import multinomial
-from mtp.decoding.stacked import stacked_heads
+from mtp.decoding.stacked import StackedLinear, stacked_heads
 from mtp.decoding.tree import DynamicTree, Tree, TreeTensors
 from mtp.model.transformer import MTPTransformer
 
@@ -185,6 +186,11 @@ class ParallelHeads(Drafter):
         self.stacked = stacked_heads(model, heads)
         self.vocab = DraftVocab(model)
         self.layers = self.vocab.linear
+        # Drafting's products: the stacked heads' and the draft vocabulary's rows (without one,
+        # the unembedding is head 1's too, which verifies: it stays exact).
+        blocks = self.stacked.stacked.modules() if self.stacked.stacked is not None else ()
+        self.int8_linears = [m for m in (*blocks, self.layers)
+                             if isinstance(m, nn.Linear | StackedLinear)]
         self.max_drafts = heads - 1
         self.drafts = self.q = None
         # node j of the chain is head j + 1's draft

@@ -96,9 +96,10 @@ def generate(
             prompt lookup, as one more branch of the round's tree; with `lookup`, the most
             drafts a round copies (0: `LOOKUP_TOKENS`). Greedy only.
         lookup_ngram: prompt lookup matches the last lookup_ngram..1 tokens.
-        draft_int8: eagle's layer (`--model.head_type eagle`) drafts with 8-bit integer products
-            on the CPU (`mtp.decoding.arithmetic.int8_products`): its weights read in a quarter
-            of the bytes, the drafts a little less sure; the output is unchanged.
+        draft_int8: heads 2..h (eagle's layer, or parallel heads; not DeepSeek's modules)
+            draft with 8-bit integer products on the CPU
+            (`mtp.decoding.arithmetic.int8_products`): their weights read in a quarter of the
+            bytes, the drafts a little less sure; the output is unchanged.
         eot_id: end-of-text token; a row stops after emitting it.
         stop: strings that end a row once its new text contains one, or predicates that end it
             once they hold of its new text and stay true as it grows (needs `decode`).

@@ -114,8 +114,8 @@ class DecodeRequest:
     lookup_ngram: int = 2
     """Prompt lookup matches the last lookup_ngram..1 tokens."""
     draft_int8: bool = False
-    """Eagle's layer drafts with 8-bit integer products (`mtp.decoding.arithmetic.int8_products`);
-    the output is unchanged."""
+    """Heads 2..h (eagle's layer or parallel heads) draft with 8-bit integer products
+    (`mtp.decoding.arithmetic.int8_products`); the output is unchanged."""
 
     @property
     def temperature_used(self) -> float:
@@ -204,8 +204,8 @@ class DecodeRequest:
         if (self.lookup > 0 or d == "lookup") and t > 0:
             bad("lookup", "prompt lookup is verified greedily: it takes no {temperature}")
         if self.draft_int8 and d not in HEAD_DECODERS:
-            bad("draft_int8", "{draft_int8} is how eagle's layer drafts with {decoder} self-spec "
-                "and tree: {decoder} {got} drafts with no layer", got=d)
+            bad("draft_int8", "{draft_int8} is how the heads draft with {decoder} self-spec "
+                "and tree: {decoder} {got} drafts with no head", got=d)
         elif self.draft_int8 and not int8_available():
             bad("draft_int8", "{draft_int8}: torch {v} has no int8 product on the CPU (fbgemm)",
                 v=torch.__version__)
@@ -233,9 +233,10 @@ class DecodeRequest:
                     head_type=cfg.head_type)
             if self.draft_int8 and d in HEAD_DECODERS:
                 p = next(model.parameters())
-                if not model.unrolled:
-                    bad("draft_int8", "{draft_int8} drafts with eagle's layer, but {model}'s "
-                        "heads are {head_type} (--model.head_type)", head_type=cfg.head_type)
+                if model.cascaded and not model.unrolled:
+                    bad("draft_int8", "{draft_int8} drafts with eagle's layer or parallel heads, "
+                        "not DeepSeek's modules ({model}'s --model.head_type is {head_type})",
+                        head_type=cfg.head_type)
                 elif p.device.type != "cpu" or p.dtype != torch.float32:
                     bad("draft_int8", "{draft_int8} multiplies on the CPU from fp32 weights; "
                         "{model} is {kind} on {device}", kind=str(p.dtype).removeprefix("torch."),

@@ -253,6 +253,28 @@ def test_int8_products_are_the_quantised_product(rows, bias):
     assert not torch.equal(got, exact)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_int8_products_of_stacked_heads_are_each_maps_quantised_product(bias):
+    """A `StackedLinear` (heads 2..h as one module): each of its J maps multiplies its own slice
+    of the leading axis as that map's own layer would in int8, its input quantised apart."""
+    from mtp.decoding.stacked import StackedLinear
+
+    torch.manual_seed(3)
+    lins = [nn.Linear(48, 24, bias=bias) for _ in range(3)]
+    for i, lin in enumerate(lins):  # maps of different magnitudes, inputs of different ranges
+        lin.weight.data *= i + 1
+    stacked = StackedLinear([m.weight for m in lins], [m.bias for m in lins] if bias else None)
+    x = torch.randn(3, 2, 5, 48) * torch.tensor([1.0, 4.0, 0.25])[:, None, None, None]
+    with torch.no_grad():
+        exact = stacked(x)
+        with int8_products([stacked]):
+            got = stacked(x)
+        assert "forward" not in vars(stacked) and torch.equal(stacked(x), exact)
+    assert got.shape == exact.shape and not torch.equal(got, exact)
+    for j, lin in enumerate(lins):
+        want = _quantised_product(lin, x[j].reshape(-1, 48)).view(2, 5, 24)
+        assert torch.allclose(got[j], want, rtol=1e-5, atol=1e-5)
+
 def test_int8_products_hold_only_inside_their_block_and_over_an_enclosing_path():
     torch.manual_seed(0)
     lin = nn.Linear(64, 32)

@@ -314,8 +314,8 @@ def eagle_ckpt(tmp_path_factory) -> str:
 
 def test_draft_int8_from_generate_and_the_bench(eagle_ckpt, ckpts, tmp_path, capsys) -> None:
     """`mtp generate --draft-int8` keeps greedy's output; `mtp bench decode --draft-int8` adds
-    each eagle row again drafting in int8, beside it; both refuse it where no eagle layer
-    drafts, naming the flag."""
+    each row of the heads (eagle's layer, block heads) again drafting in int8, beside it; both
+    refuse it where no head drafts, naming the flag."""
     assert main(["generate", "--ckpt", eagle_ckpt, "--prompt", TEXTS[1][:20], "--decoder",
                  "tree", "--tree", "dynamic:6", "--lookup", "3", "--draft-int8",
                  "--max-new-tokens", "12"]) == 0
@@ -333,20 +333,22 @@ def test_draft_int8_from_generate_and_the_bench(eagle_ckpt, ckpts, tmp_path, cap
              "tree dynamic(6) h=3 + lookup 3"]
     assert list(rows) == ["greedy", *heads, *[f"{name} int8 drafts" for name in heads]]
     assert all(r["equal_to_greedy"] == "2/2" for r in rows.values())
-    for argv, message in [
-        (["--ckpt", eagle_ckpt, "--decoders", "greedy,lookup", "--draft-int8"],
-         "--draft-int8 adds rows of eagle's layer drafting with 8-bit integer products: it "
-         "needs self-spec or tree in --decoders"),
-        (["--ckpt", ckpts["k4"], "--decoders", "greedy,tree", "--draft-int8"],
-         "--draft-int8 drafts with eagle's layer, but --ckpt's heads are block"),
-    ]:
-        with pytest.raises(SystemExit) as e:
-            bench_main(argv)
-        assert e.value.code == 2 and message in capsys.readouterr().err, argv
+    # block heads too
+    assert bench_main(["--ckpt", ckpts["k4"], "--prompts", str(prompts), "--limit", "2",
+                       "--max-new-tokens", "10", "--heads", "3", "--repeat", "1",
+                       "--auto-tree", "0", "--decoders", "greedy,tree", "--draft-int8",
+                       "--csv", str(block_csv := tmp_path / "block.csv")]) == 0
+    rows = {r["decoder"]: r for r in csv.DictReader(block_csv.open())}
+    assert list(rows) == ["greedy", "tree h=3 [3,2]", "tree h=3 [3,2] int8 drafts"]
+    assert all(r["equal_to_greedy"] == "2/2" for r in rows.values())
+    with pytest.raises(SystemExit) as e:
+        bench_main(["--ckpt", eagle_ckpt, "--decoders", "greedy,lookup", "--draft-int8"])
+    assert e.value.code == 2 and "--draft-int8 adds rows of the heads drafting with 8-bit " \
+        "integer products: it needs self-spec or tree in --decoders" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         main(["generate", "--ckpt", eagle_ckpt, "--prompt", "x", "--draft-int8"])
-    assert e.value.code == 2 and "--draft-int8 is how eagle's layer drafts with --decoder " \
-        "self-spec and tree: --decoder greedy drafts with no layer" in capsys.readouterr().err
+    assert e.value.code == 2 and "--draft-int8 is how the heads draft with --decoder " \
+        "self-spec and tree: --decoder greedy drafts with no head" in capsys.readouterr().err
 
 
 def test_bench_decode_bad_input(ckpts, capsys) -> None:

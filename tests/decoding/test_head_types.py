@@ -305,13 +305,56 @@ def test_eagle_drafting_in_int8_keeps_greedys_output(monkeypatch, decoder, kwarg
     assert featured.heads[1].fuse is not None
 
 
-def test_draft_int8_is_refused_where_no_eagle_layer_drafts():
+@pytest.mark.parametrize("head_type", ["block", "linear", "medusa", "medusa1"])
+@pytest.mark.parametrize(("decoder", "kwargs"), [
+    ("self-spec", {}), ("tree", {"tree": DynamicTree(max_nodes=8), "lookup": 4})])
+def test_parallel_heads_drafting_in_int8_keep_greedys_output(monkeypatch, head_type, decoder,
+                                                              kwargs):
+    """`draft_int8` with parallel heads: greedy's output, drafts still accepted, and in int8
+    the stacked heads 2..h and the draft vocabulary's rows, nothing of the model itself (head
+    1 and the unembedding verify)."""
+    from mtp.decoding.stacked import StackedLinear, stacked_heads
+
+    real, calls = arithmetic._int8_forward, Counter()
+
+    def counted(module):
+        forward = real(module)
+
+        def count(x):
+            calls[module] += 1
+            return forward(x)
+        return count
+
+    monkeypatch.setattr(arithmetic, "_int8_forward", counted)
+    trained = _trained(head_type)[0]
+    for model in (trained, random_model(head_type=head_type, draft_vocab=64)):
+        prompts = cyclic_prompts(model, 6, seed=5) if model is trained else \
+            random_prompts(6, model.cfg.vocab_size, seed=5)
+        ref, _ = generate(model, prompts, 24)
+        calls.clear()
+        out, stats = generate(model, prompts, 24, decoder=decoder, draft_int8=True, **kwargs)
+        assert out == ref
+        stacked = stacked_heads(model, model.cfg.n_future).stacked
+        drafting = {m for m in stacked.modules() if isinstance(m, StackedLinear)}
+        assert drafting and drafting <= set(calls) and not set(calls) & set(model.modules())
+        rows = set(calls) - drafting  # the draft vocabulary's, where the model has one
+        if model.cfg.draft_vocab:
+            assert len(rows) == 1 and torch.equal(rows.pop().weight, model.head_unembed(1))
+        else:
+            assert not rows
+        assert not any("forward" in vars(m) for m in (*model.modules(), *stacked.modules()))
+        if model is trained:
+            assert stats.tokens_per_forward > 1.5
+
+
+def test_draft_int8_is_refused_where_no_head_drafts_or_deepseeks_modules_do():
     from mtp.decoding import RequestError
 
-    block = random_model()
-    with pytest.raises(RequestError, match="draft_int8 drafts with eagle's layer, but the "
-                       "model's heads are block"):
-        generate(block, [[1, 2, 3]], 4, decoder="tree", draft_int8=True)
-    with pytest.raises(RequestError, match="draft_int8 is how eagle's layer drafts with decoder "
-                       "self-spec and tree: decoder greedy drafts with no layer"):
+    with pytest.raises(RequestError, match="draft_int8 drafts with eagle's layer or parallel "
+                       "heads, not DeepSeek's modules \\(the model's --model.head_type is "
+                       "deepseek\\)"):
+        generate(random_model(head_type="deepseek"), [[1, 2, 3]], 4, decoder="tree",
+                 draft_int8=True)
+    with pytest.raises(RequestError, match="draft_int8 is how the heads draft with decoder "
+                       "self-spec and tree: decoder greedy drafts with no head"):
         generate(_trained("eagle")[0], [[1, 2, 3]], 4, draft_int8=True)
