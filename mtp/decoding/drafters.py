@@ -153,7 +153,7 @@ class Drafter:
     layers: torch.nn.Module | None = None
     """The drafter's own layers, outside the model (a draft vocabulary's rows, `DraftVocab`),
     which decode on the machine's chosen paths with the model's (`decode_linears`)."""
-    int8_linears: Sequence[torch.nn.Linear] = ()
+    int8_linears: Sequence[nn.Linear | StackedLinear] = ()
     """The linear layers that only drafting runs, which `generate(draft_int8=True)` multiplies
     in 8-bit integers (`mtp.decoding.arithmetic.int8_products`)."""
 
