@@ -267,11 +267,9 @@ def test_eagle_with_feature_layers_drafts_its_teacher_forced_chain(monkeypatch):
         assert generate(model, prompts, 16, **kwargs)[0] == ref, kwargs
 
 
-@pytest.mark.parametrize(("decoder", "kwargs"), [
-    ("self-spec", {}), ("tree", {}), ("tree", {"tree": DynamicTree(max_nodes=8), "lookup": 4})])
-def test_eagle_drafting_in_int8_keeps_greedys_output(monkeypatch, decoder, kwargs):
-    """`draft_int8`: greedy's output, drafts still accepted, and every product of eagle's
-    layer and the draft vocabulary in int8 but `fuse` (the trunk's features), nothing else."""
+@pytest.fixture
+def int8_calls(monkeypatch) -> Counter:
+    """Calls of each module's int8 product (`int8_products`) from here on, by module."""
     real, calls = arithmetic._int8_forward, Counter()
 
     def counted(module):
@@ -283,22 +281,38 @@ def test_eagle_drafting_in_int8_keeps_greedys_output(monkeypatch, decoder, kwarg
         return count
 
     monkeypatch.setattr(arithmetic, "_int8_forward", counted)
+    return calls
+
+
+def _int8_decode(model, prompts, calls: Counter, decoder: str, kwargs: dict, drafting: set):
+    """Decode with `draft_int8`: greedy's output, every module of `drafting` in int8, and
+    besides them only the draft vocabulary's rows (a drafter's own layer, where the model has
+    one), nothing of the model itself; the statistics."""
+    ref, _ = generate(model, prompts, 24)
+    calls.clear()
+    out, stats = generate(model, prompts, 24, decoder=decoder, draft_int8=True, **kwargs)
+    assert out == ref
+    rows = set(calls) - drafting
+    assert drafting and drafting <= set(calls) and not rows & set(model.modules())
+    if model.cfg.draft_vocab:
+        assert len(rows) == 1 and torch.equal(rows.pop().weight, model.head_unembed(1))
+    else:
+        assert not rows
+    return stats
+
+
+@pytest.mark.parametrize(("decoder", "kwargs"), [
+    ("self-spec", {}), ("tree", {}), ("tree", {"tree": DynamicTree(max_nodes=8), "lookup": 4})])
+def test_eagle_drafting_in_int8_keeps_greedys_output(int8_calls, decoder, kwargs):
+    """`draft_int8`: greedy's output, drafts still accepted, and every product of eagle's
+    layer and the draft vocabulary in int8 but `fuse` (the trunk's features), nothing else."""
     featured = random_model(head_type="eagle", feature_layers=[1], draft_vocab=64)
     for model in (*_trained("eagle"), featured):
         prompts = random_prompts(6, model.cfg.vocab_size, seed=5) if model is featured else \
             cyclic_prompts(model, 6, seed=5)
-        ref, _ = generate(model, prompts, 24)
-        calls.clear()
-        out, stats = generate(model, prompts, 24, decoder=decoder, draft_int8=True, **kwargs)
-        assert out == ref
         layer = model.heads[1]
         drafting = {m for m in layer.modules() if isinstance(m, nn.Linear) and m is not layer.fuse}
-        outside = set(calls) - drafting  # the draft vocabulary's rows, the drafter's own layer
-        assert drafting <= set(calls) and not outside & set(model.modules())
-        if model.cfg.draft_vocab:
-            assert len(outside) == 1 and torch.equal(outside.pop().weight, model.head_unembed(1))
-        else:
-            assert not outside
+        stats = _int8_decode(model, prompts, int8_calls, decoder, kwargs, drafting)
         assert not any("forward" in vars(m) for m in model.modules())
         if model is _trained("eagle")[0]:
             assert stats.tokens_per_forward > 1.5
@@ -308,40 +322,20 @@ def test_eagle_drafting_in_int8_keeps_greedys_output(monkeypatch, decoder, kwarg
 @pytest.mark.parametrize("head_type", ["block", "linear", "medusa", "medusa1"])
 @pytest.mark.parametrize(("decoder", "kwargs"), [
     ("self-spec", {}), ("tree", {"tree": DynamicTree(max_nodes=8), "lookup": 4})])
-def test_parallel_heads_drafting_in_int8_keep_greedys_output(monkeypatch, head_type, decoder,
+def test_parallel_heads_drafting_in_int8_keep_greedys_output(int8_calls, head_type, decoder,
                                                               kwargs):
     """`draft_int8` with parallel heads: greedy's output, drafts still accepted, and in int8
     the stacked heads 2..h and the draft vocabulary's rows, nothing of the model itself (head
     1 and the unembedding verify)."""
     from mtp.decoding.stacked import StackedLinear, stacked_heads
 
-    real, calls = arithmetic._int8_forward, Counter()
-
-    def counted(module):
-        forward = real(module)
-
-        def count(x):
-            calls[module] += 1
-            return forward(x)
-        return count
-
-    monkeypatch.setattr(arithmetic, "_int8_forward", counted)
     trained = _trained(head_type)[0]
     for model in (trained, random_model(head_type=head_type, draft_vocab=64)):
         prompts = cyclic_prompts(model, 6, seed=5) if model is trained else \
             random_prompts(6, model.cfg.vocab_size, seed=5)
-        ref, _ = generate(model, prompts, 24)
-        calls.clear()
-        out, stats = generate(model, prompts, 24, decoder=decoder, draft_int8=True, **kwargs)
-        assert out == ref
         stacked = stacked_heads(model, model.cfg.n_future).stacked
         drafting = {m for m in stacked.modules() if isinstance(m, StackedLinear)}
-        assert drafting and drafting <= set(calls) and not set(calls) & set(model.modules())
-        rows = set(calls) - drafting  # the draft vocabulary's, where the model has one
-        if model.cfg.draft_vocab:
-            assert len(rows) == 1 and torch.equal(rows.pop().weight, model.head_unembed(1))
-        else:
-            assert not rows
+        stats = _int8_decode(model, prompts, int8_calls, decoder, kwargs, drafting)
         assert not any("forward" in vars(m) for m in (*model.modules(), *stacked.modules()))
         if model is trained:
             assert stats.tokens_per_forward > 1.5
