@@ -276,25 +276,48 @@ def _accept(ctx: Context, prop: Proposal, logits: torch.Tensor, trunk: Trunk) ->
     return Verified(prop, trunk, path, a, nxt, emitted, heard)
 
 
-def _emit(ctx: Context, emitted: list[list[int]],
-          origins: list[list[int]] | None) -> torch.Tensor | None:
+def _emit(ctx: Context, emitted: list[list[int]], origins: list[list[int]] | None,
+          first: int = 0) -> torch.Tensor | None:
     """Hand each row's new tokens (and their origins, where a listener asked) to the stopper and
     count the round; returns the batch indices of the rows that go on if some finished (else
-    None)."""
-    alive, kept = [], []
-    lengths = ctx.cache.lengths.tolist()
-    for i, (row, toks, n_cached) in enumerate(zip(ctx.rows, emitted, lengths, strict=True)):
-        n, done = ctx.stopper.extend(row, toks, None if origins is None else origins[i])
+    None). `emitted` is that of rows first.. (the rows before, which emit nothing, go on)."""
+    alive, kept = list(range(first)), []
+    lengths = ctx.cache.lengths.tolist()[first:]
+    for i, (row, toks, n_cached) in enumerate(zip(ctx.rows[first:], emitted, lengths,
+                                                  strict=True), first):
+        n, done = ctx.stopper.extend(row, toks, None if origins is None else origins[i - first])
         kept.append(n)
         # A row whose sequence fills the context length (cache + pending token) also ends.
         if not done and n_cached + 1 < ctx.context_len:
             alive.append(i)
+        else:
+            ctx.stopper.end(row)
     ctx.stats.count(kept)
     if len(alive) == len(ctx.rows):
         return None
     alive = fill_order(alive)
     ctx.rows = [ctx.rows[i] for i in alive]
     return torch.tensor(alive, dtype=torch.long, device=ctx.cache.lengths.device)
+
+
+def _join(ctx: Context, prompts: list[list[int]], new: list[int],
+          pending: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Prefill prompts `new` (their indices) in a cache of their own and append their rows to
+    the batch's; returns every row's pending token and, if some new row ended on its first
+    token, the rows that go on."""
+    part = KVCache(ctx.model.cfg, len(new), max(len(prompts[i]) for i in new),
+                   device=pending.device, dtype=ctx.cache.k.dtype)
+    hidden, _ = prefill(ctx.model, part, [prompts[i] for i in new])
+    ctx.timer.lap("prefill")
+    chosen = ctx.sampling.choose(ctx.model.unembed(hidden), ctx.generator)
+    ctx.timer.lap("accept")
+    ctx.cache.join(part)
+    ctx.timer.lap("cache")
+    old = len(ctx.rows)
+    ctx.rows += new
+    ctx.stats.prefills += len(new)
+    heard = [[HEAD_1]] * len(new) if ctx.stopper.listening else None
+    return torch.cat([pending, chosen]), _emit(ctx, [[t] for t in chosen.tolist()], heard, old)
 
 
 def fill_order(alive: list[int]) -> list[int]:
@@ -307,22 +330,45 @@ def fill_order(alive: list[int]) -> list[int]:
     return [i if i in staying else movers.pop() for i in range(n)]
 
 
+#: With continuous batching, prompts waiting join the batch once this share of its rows is free:
+#: a prefill forward per few rows rather than per row.
+JOIN_SHARE = 1 / 8
+
+
 def run(ctx: Context, prompts: list[list[int]], drafter, policy) -> None:
-    """Decode every prompt to its end with `drafter`, `policy` choosing each round's drafts."""
-    hidden, trunk = prefill(ctx.model, ctx.cache, prompts)
+    """Decode every prompt to its end with `drafter`, `policy` choosing each round's drafts.
+
+    Prompts beyond the cache's rows wait (continuous batching, for a drafter that keeps no state
+    per row: plain decoding): the first
+    rows are prefilled together, and once a `JOIN_SHARE` of the rows is free (or every prompt
+    waiting fits), the next prompts are prefilled in a forward of their own and join the batch
+    in the places of rows that ended (`_join`), so that a long queue of prompts is decoded with
+    full batches to its last ones.
+    """
+    rows = ctx.cache.k.shape[1]
+    waiting = list(range(len(prompts) - 1, rows - 1, -1))  # popped from the end: in order
+    ctx.rows = list(range(min(rows, len(prompts))))
+    hidden, trunk = prefill(ctx.model, ctx.cache, [prompts[i] for i in ctx.rows])
     ctx.timer.lap("prefill")
     pending = ctx.sampling.choose(ctx.model.unembed(hidden), ctx.generator)  # (B,)
     ctx.timer.lap("accept")
     drafter.start(ctx, prompts, trunk, pending)
-    first = [[HEAD_1]] * len(prompts) if ctx.stopper.listening else None
+    ctx.stats.prefills += len(ctx.rows)
+    first = [[HEAD_1]] * len(ctx.rows) if ctx.stopper.listening else None
     keep = _emit(ctx, [[t] for t in pending.tolist()], first)
-    ctx.stats.prefills += len(prompts)
-    while ctx.rows:
+    while ctx.rows or waiting:
         start = ctx.timer.lap()
         if keep is not None:
             ctx.cache.keep(keep)
             drafter.keep(keep)
             pending = pending[keep]
+            keep = None
+        free = rows - len(ctx.rows)
+        if waiting and free and (free >= rows * JOIN_SHARE or free >= len(waiting)):
+            pending, keep = _join(ctx, prompts, [waiting.pop() for _ in range(min(free,
+                                                                                  len(waiting)))],
+                                  pending)
+            continue  # rows that ended on their first token leave first
         n = policy.choose(ctx, drafter.max_drafts)
         prop = drafter.propose(ctx, pending, n)
         logits, trunk = _verify(ctx, prop)

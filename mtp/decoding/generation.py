@@ -25,7 +25,7 @@ from mtp.decoding.policy import Adaptive, Fixed
 from mtp.decoding.request import HEAD_DECODERS, DecodeRequest
 from mtp.decoding.sampling import Sampling
 from mtp.decoding.stats import DecodeStats, Timer
-from mtp.decoding.stopper import Listener, Stop, Stopper
+from mtp.decoding.stopper import EndListener, Listener, Stop, Stopper
 from mtp.decoding.tree import DynamicTree, Tree
 from mtp.model.transformer import MTPTransformer
 
@@ -67,6 +67,8 @@ def generate(
     decode: Callable[[list[int]], str] | None = None,
     generator: torch.Generator | None = None,
     on_tokens: Listener | None = None,
+    on_end: EndListener | None = None,
+    max_batch: int | None = None,
 ) -> tuple[list[list[int]], DecodeStats]:
     """Continue each prompt by up to `max_new_tokens` tokens.
 
@@ -111,6 +113,12 @@ def generate(
             (`mtp.decoding.origin`: `HEAD_1` for the verifier's own, k for a draft of head k,
             `LOOKUP`, `DRAFT_MODEL`, `ORACLE`). Without it the loop gathers no origin. Raising
             in it ends the call (e.g. to stop a decode nobody watches any more).
+        on_end: called as on_end(row, tokens) once a row has ended, with its new tokens as
+            returned (e.g. to write each answer as soon as it is final).
+        max_batch: decode at most this many prompts at once: the first ones together, and as
+            rows end, the next prompts, prefilled a group at a time, take their places
+            (continuous batching, `mtp.decoding.engine.run`), so that no round runs with few
+            rows while prompts wait. Greedy and sample only. None: all at once.
 
     Returns:
         Each row's new tokens (the stopping token included) and the decoding statistics.
@@ -125,6 +133,9 @@ def generate(
                             lookup=lookup, lookup_ngram=lookup_ngram, draft_int8=draft_int8)
     request.check(model, draft_model, prompts=prompts, reference=reference, stop=stop,
                   decode=decode, measuring=True)
+    if max_batch is not None and (max_batch < 1 or decoder not in ("greedy", "sample")):
+        raise ValueError(f"max_batch must be >= 1 and goes with decoder greedy or sample (got "
+                         f"{max_batch} with {decoder})")
     heads = model.cfg.n_future if heads is None else heads
     context_len = request.context_len(model, draft_model)
     longest = max(len(p) for p in prompts)
@@ -165,9 +176,9 @@ def generate(
     device = next(model.parameters()).device
     ctx = Context(
         model=model,
-        cache=new_cache(model, len(prompts), max_len),
+        cache=new_cache(model, min(len(prompts), max_batch or len(prompts)), max_len),
         sampling=Sampling(request.temperature_used, top_k, top_p),
-        stopper=Stopper(len(prompts), max_new_tokens, eot_id, stop, decode, on_tokens),
+        stopper=Stopper(len(prompts), max_new_tokens, eot_id, stop, decode, on_tokens, on_end),
         timer=Timer(stats, device),
         stats=stats,
         generator=generator,

@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 
 from mtp.decoding.origin import HEAD_1
 
-__all__ = ["Listener", "Stop", "Stopper"]
+__all__ = ["EndListener", "Listener", "Stop", "Stopper"]
 
 #: A stop string, or a predicate on a row's new text that stays true as the text grows.
 Stop = str | Callable[[str], bool]
@@ -14,6 +14,8 @@ Stop = str | Callable[[str], bool]
 #: The streaming hook: called as listener(row, tokens, origins) with each round's new tokens of
 #: a row and each one's origin (`mtp.decoding.origin`).
 Listener = Callable[[int, list[int], list[int]], None]
+#: The hook of a row's end: called as on_end(row, tokens) with all its new tokens, once.
+EndListener = Callable[[int, list[int]], None]
 
 
 class Stopper:
@@ -27,6 +29,8 @@ class Stopper:
 
     `on_tokens`, the streaming hook, hears every append: the row, the tokens kept and each one's
     origin. Without it, the loop neither gathers nor hands over any origin (`listening`).
+    `on_end` hears each row's end (`end`, called by the loop, which also ends a row that fills
+    the context length) with the row's new tokens.
     """
 
     def __init__(
@@ -37,10 +41,11 @@ class Stopper:
         stop: Sequence[Stop],
         decode: Callable[[list[int]], str] | None,
         on_tokens: Listener | None,
+        on_end: EndListener | None = None,
     ) -> None:
         self.out: list[list[int]] = [[] for _ in range(n_rows)]
         self.max_new, self.eot_id, self.stop, self.decode = max_new_tokens, eot_id, stop, decode
-        self.on_tokens = on_tokens
+        self.on_tokens, self.on_end = on_tokens, on_end
 
     @property
     def listening(self) -> bool:
@@ -74,6 +79,11 @@ class Stopper:
             self.on_tokens(row, out[start:],
                            [HEAD_1] * kept if origins is None else list(origins[:kept]))
         return len(out) - start, done
+
+    def end(self, row: int) -> None:
+        """The row ended: its tokens are final."""
+        if self.on_end is not None:
+            self.on_end(row, self.out[row])
 
     def _stop_in(self, tokens: list[int]) -> bool:
         text = self.decode(tokens)

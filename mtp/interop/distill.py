@@ -1,36 +1,37 @@
 """`mtp distill`: a self-distillation corpus, the model's own answers to coding requests.
 
-Heads drafting for an instruct model must predict what that model writes when it answers, in
-its chat template: code in a fence, prose around it. Medusa trains its heads on the base model's
-own responses for that reason. The requests come from the Python standard library (each public
-function with a docstring becomes "write this function" with its signature and docstring), so
-nothing is downloaded and no benchmark task is among them; the model answers each greedily in
-batches. `--style benchmark` words them as `mtp eval --prompt-format chat` asks the benchmarks'
-tasks (EvalPlus's request around the function's stub, or for every other function Austin et al.'s
-MBPP wording, its doctest examples as the asserts), so the heads learn the answers they will draft
-at evaluation. Every line of the output is ``{"text": prompt + answer, "request": ..., "finished":
+Heads drafting for an instruct model must predict what that model writes when it answers, in its
+chat template: code in a fence, prose around it. Medusa trains its heads on the base model's own
+responses for that reason. The requests come from the Python standard library (each public function
+with a docstring becomes "write this function" with its signature and docstring), so nothing is
+downloaded and no benchmark task is among them; the model answers each greedily, `--batch-size` at
+once. `--style benchmark` words them as `mtp eval --prompt-format chat` asks the benchmarks' tasks
+(EvalPlus's request around the function's stub, or for every other function Austin et al.'s MBPP
+wording, its doctest examples as the asserts), so the heads learn the answers they will draft at
+evaluation. Every line of the output is ``{"text": prompt + answer, "request": ..., "finished":
 ...}``, the text as the model saw and wrote it, for `mtp fit --data.source FILE --data.text_field
-text` with `--loss.targets greedy` (where the text follows the model's greedy path, which is
-nearly everywhere in its own answers, every head learns the exact token speculation accepts).
-`--style continue` asks no chat at all: the model continues windows of the code itself, every
-prompt of a batch of one length, so more of the machine's time goes to new tokens.
-`--style mbpp-train` asks the tasks of MBPP's training split (ids 601-974 of `--tasks
-mbpp.jsonl`) in `mtp eval --prompt-format chat`'s words: requests written by people, as the
-benchmarks' are, which no evaluation reads (MBPP's test split is ids 11-510).
-Requests are answered in batches of similar prompt length, shortest first, so that a batch's
-prefill runs few forwards (it pads the prompts of one forward to the longest of them:
-`mtp.decoding.engine.length_groups`). Each batch prints the new tokens per second so far and
-the rate of the model's useful arithmetic; the end of a run prints that rate against one batched
-forward of the same model on the same machine. `--dtype bf16` on a CPU with bf16 products
-multiplies in bf16 and attends in fp32 (`mtp.decoding.engine.new_cache`); its answers are the
-bf16 model's, of which `--loss.targets greedy` trains on the positions where they follow the fp32
-model's greedy path.
+text` with `--loss.targets greedy` (where the text follows the model's greedy path, which is nearly
+everywhere in its own answers, every head learns the exact token speculation accepts). `--style
+continue` asks no chat at all: the model continues windows of the code itself, every prompt of one
+length, so more of the machine's time goes to new tokens. `--style mbpp-train` asks the tasks of
+MBPP's training split (ids 601-974 of `--tasks mbpp.jsonl`) in `mtp eval --prompt-format chat`'s
+words: requests written by people, as the benchmarks' are, which no evaluation reads (MBPP's test
+split is ids 11-510). Requests are answered shortest prompt first, `--batch-size` rows decoding at
+once, and as rows end the next requests join in their places, prefilled a few at a time (continuous
+batching, `mtp.decoding.engine.run`), so that the rounds run full rows to the last requests;
+requests of similar length prefill together, in few forwards (a forward pads its prompts to the
+longest of them: `mtp.decoding.engine.length_groups`). Every `--batch-size` answers, a line prints
+the new tokens per second so far and the rate of the model's useful arithmetic; the end of a run
+prints that rate against one batched forward of the same model on the same machine. `--dtype bf16`
+on a CPU with bf16 products multiplies in bf16 and attends in fp32
+(`mtp.decoding.engine.new_cache`); its answers are the bf16 model's, of which `--loss.targets
+greedy` trains on the positions where they follow the fp32 model's greedy path.
 
-Lines are appended a batch at a time, in one write, and fsynced (`mtp.util.atomic. AppendOnlyFile`);
-a rerun answers the requests whose prompt no line begins with, so an interrupted run loses at most
-one batch, whatever `--requests` the rerun has, and a write that fails (a full disk, a read-only
-folder) is named and leaves the earlier lines as they were. One run at a time writes an `--out`
-file: a second one started meanwhile is refused.
+Each answer's line is appended as soon as the answer ends, in one write, and fsynced
+(`mtp.util.atomic.AppendOnlyFile`); a rerun answers the requests whose prompt no line begins with,
+so an interrupted run loses only the answers under way, whatever `--requests` the rerun has, and a
+write that fails (a full disk, a read-only folder) is named and leaves the earlier lines as they
+were. One run at a time writes an `--out` file: a second one started meanwhile is refused.
 """
 
 from __future__ import annotations
@@ -162,11 +163,12 @@ class _Meter:
         self.trunk = 2 * sum(p.numel() for part in (model.blocks, model.heads[0])
                              for p in part.parameters() if p.dim() > 1)
         self.unembed = 2 * model.unembed.weight.numel()
-        self.prompt = self.new = 0
+        self.prompt = self.new = self.answers = 0
         self.began = time.perf_counter()
 
     def add(self, prompts: list[int], new: list[int]) -> None:
         self.prompt, self.new = self.prompt + sum(prompts), self.new + sum(new)
+        self.answers += len(new)
 
     @property
     def flops(self) -> float:
@@ -213,7 +215,8 @@ def main(argv: list[str]) -> int:
                    help="directory whose .py files' documented functions become the requests "
                         "(default: the Python standard library)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="longest answer, in tokens")
-    p.add_argument("--batch-size", type=int, default=16, help="requests answered together")
+    p.add_argument("--batch-size", type=int, default=16,
+                   help="requests decoding at once (the next joins as one ends)")
     p.add_argument("--seed", type=int, default=0, help="order of the requests")
     p.add_argument("--style", choices=STYLES, default="write",
                    help="requests as 'write this function' with its docstring, or in the words "
@@ -321,31 +324,31 @@ def main(argv: list[str]) -> int:
         p.error(f"--out: {err}")
     with f:
         done = _answered(out, texts)
-        # Prompts of one length answered together: a batch is padded to its longest prompt.
+        # Shortest first: the prompts that join the batch together are of about one length.
         order = sorted((i for i in range(len(texts)) if not done[i]),
                        key=lambda i: len(prompts[i]))
         meter = _Meter(model)
-        for b in range(0, len(order), args.batch_size):
-            batch = order[b:b + args.batch_size]
-            with torch.no_grad():
-                new, _ = generate(model, [prompts[i] for i in batch], args.max_new_tokens,
-                                  decoder="greedy", eot_id=eot)
-            lines = []
-            for i, ids in zip(batch, new):
-                finished = bool(ids) and ids[-1] == eot
-                answer = tokenizer.decode(ids[:-1] if finished else ids,
-                                          skip_special_tokens=False)
-                lines.append(json.dumps({"text": texts[i] + answer, "request": requests_of[i],
-                                         "finished": finished}) + "\n")
+        before = sum(done)
+
+        def write(row: int, ids: list[int]) -> None:  # an answer ended: its line, now
+            i = order[row]
+            finished = bool(ids) and ids[-1] == eot
+            answer = tokenizer.decode(ids[:-1] if finished else ids, skip_special_tokens=False)
             try:
-                f.append("".join(lines))  # the batch whole, or nothing of it
+                f.append(json.dumps({"text": texts[i] + answer, "request": requests_of[i],
+                                     "finished": finished}) + "\n")
             except WriteError as err:
-                p.error(f"--out: {err}; the {sum(done) + b} answers before are kept, and the "
-                        "same command goes on with the requests not yet answered")
-            meter.add([len(prompts[i]) for i in batch], [len(ids) for ids in new])
-            print(f"{sum(done) + b + len(batch)}/{len(todo)} requests answered, {meter}",
-                  file=sys.stderr, flush=True)
+                p.error(f"--out: {err}; the {before + meter.answers} answers before are kept, "
+                        "and the same command goes on with the requests not yet answered")
+            meter.add([len(prompts[i])], [len(ids)])
+            if meter.answers % args.batch_size == 0 or meter.answers == len(order):
+                print(f"{before + meter.answers}/{len(todo)} requests answered, {meter}",
+                      file=sys.stderr, flush=True)
+
         if order:
+            with torch.no_grad():
+                generate(model, [prompts[i] for i in order], args.max_new_tokens,
+                         decoder="greedy", eot_id=eot, max_batch=args.batch_size, on_end=write)
             print(f"{meter.summary()} ({_peak(model, meter)})", file=sys.stderr, flush=True)
     return 0
 

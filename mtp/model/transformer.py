@@ -39,7 +39,8 @@ class KVCache:
 
     Each batch row has its own number of committed slots (`lengths`), so rows of a batch may
     accept different numbers of speculated tokens. Callers write new tokens at explicit `slots`
-    and pass the attention mask; `compact` and `truncate` keep only accepted entries.
+    and pass the attention mask; `compact` and `truncate` keep only accepted entries. Rows leave
+    (`keep`) and others take their places (`join`) within the `batch_size` rows allocated.
     """
 
     def __init__(
@@ -54,8 +55,10 @@ class KVCache:
         n_layers = cfg.n_trunk_layers + len({x for x in head_cache_layers(cfg) if x is not None})
         self.max_len = max_len or cfg.max_seq_len
         shape = (n_layers, batch_size, cfg.attn_kv_heads, self.max_len, cfg.attn_head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)  # (L, B, Hkv, S, hd)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        # The buffers allocated; k and v are views of their first rows, those in use.
+        self._k = torch.zeros(shape, device=device, dtype=dtype)  # (L, B, Hkv, S, hd)
+        self._v = torch.zeros(shape, device=device, dtype=dtype)
+        self.k, self.v = self._k, self._v
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)  # (B,)
 
     def truncate(self, lengths: torch.Tensor) -> None:
@@ -78,7 +81,21 @@ class KVCache:
             src, dst = rows[moves], moves
             for buf in (self.k, self.v):
                 buf[:, dst, :, :used] = buf[:, src, :, :used]
-        self.k, self.v, self.lengths = self.k[:, :n], self.v[:, :n], lengths
+        self.k, self.v, self.lengths = self._k[:, :n], self._v[:, :n], lengths
+
+    def join(self, other: KVCache) -> None:
+        """Append `other`'s rows (a cache of the same model, e.g. new prompts' prefill) after
+        these, as rows n.., in the rows allocated that `keep` left free; their slots in use are
+        copied."""
+        n, m = self.k.shape[1], other.k.shape[1]
+        if n + m > self._k.shape[1] or other.max_len > self.max_len:
+            raise ValueError(f"{m} rows of {other.max_len} slots do not fit beside {n} rows in "
+                             f"a cache of {self._k.shape[1]} rows of {self.max_len} slots")
+        used = int(other.lengths.max()) if m else 0
+        for buf, new in ((self._k, other.k), (self._v, other.v)):
+            buf[:, n : n + m, :, :used] = new[:, :, :, :used]
+        self.k, self.v = self._k[:, : n + m], self._v[:, : n + m]
+        self.lengths = torch.cat([self.lengths, other.lengths.to(self.lengths)])
 
     def compact(self, src_slots: torch.Tensor, dst_start: torch.Tensor) -> None:
         """Move entries at `src_slots` (B, n) to contiguous slots from `dst_start` (B,) on.

@@ -103,8 +103,9 @@ def test_benchmark_style_requests_are_worded_as_the_chat_formats(setup):
 
 
 def test_answers_are_the_greedy_continuations_and_a_rerun_resumes(setup, capsys):
-    """Each line is a request's greedy answer; requests go in batches of similar prompt
-    length; a rerun answers the requests the file lacks, whatever --requests it had before."""
+    """Each line is a request's greedy answer; requests start shortest first, two decoding at
+    once (the third joins as one ends); a rerun answers the requests the file lacks, whatever
+    --requests it had before."""
     tmp, src, model, tok = setup
     out = tmp / "d.jsonl"
     args = ["distill", "--model", str(tmp / "m.ckpt"), "--out", str(out), "--source", str(src),
