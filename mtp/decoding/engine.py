@@ -348,11 +348,11 @@ def run(ctx: Context, prompts: list[list[int]], drafter, policy) -> None:
     rows = ctx.cache.k.shape[1]
     waiting = list(range(len(prompts) - 1, rows - 1, -1))  # popped from the end: in order
     ctx.rows = list(range(min(rows, len(prompts))))
-    hidden, trunk = prefill(ctx.model, ctx.cache, [prompts[i] for i in ctx.rows])
+    hidden, trunk = prefill(ctx.model, ctx.cache, prompts[:rows])
     ctx.timer.lap("prefill")
     pending = ctx.sampling.choose(ctx.model.unembed(hidden), ctx.generator)  # (B,)
     ctx.timer.lap("accept")
-    drafter.start(ctx, prompts, trunk, pending)
+    drafter.start(ctx, prompts[:rows], trunk, pending)
     ctx.stats.prefills += len(ctx.rows)
     first = [[HEAD_1]] * len(ctx.rows) if ctx.stopper.listening else None
     keep = _emit(ctx, [[t] for t in pending.tolist()], first)
