@@ -64,6 +64,10 @@ class CascadedHeads(Drafter):
         self.by_shape: dict = {}  # a dynamic round's tree -> `tree_tensors`
         self.vocab = DraftVocab(model)  # the draft vocabulary's rows, gathered once per decode
         self.layers = self.vocab.linear
+        # Drafting's products: modules 2..h's and the draft vocabulary's rows (without one, the
+        # unembedding is head 1's too, which verifies: it stays exact).
+        self.int8_linears = [m for m in (*model.heads[1:heads].modules(), self.layers)
+                             if isinstance(m, torch.nn.Linear)]
 
     @property
     def slots_needed(self) -> int:

@@ -323,8 +323,8 @@ def generate_main(argv: list[str]) -> int:
                    help="rerun the greedy baseline for the speedup and output equality (default: "
                         "greedy for every decoder but greedy)")
     p.add_argument("--draft-int8", action="store_true",
-                   help="heads 2..h (eagle's layer or parallel heads) draft with 8-bit integer "
-                        "products on the CPU (self-spec and tree; the output is unchanged)")
+                   help="heads 2..h draft with 8-bit integer products on the CPU (self-spec "
+                        "and tree; the output is unchanged)")
     p.add_argument("--show-drafts", choices=["auto", "color", "markers", "none"], default="auto",
                    help="how tokens from accepted drafts are shown: colour on a terminal, "
                         "[[...]] otherwise (auto), or not at all")

@@ -98,7 +98,7 @@ def generate(
             prompt lookup, as one more branch of the round's tree; with `lookup`, the most
             drafts a round copies (0: `LOOKUP_TOKENS`). Greedy only.
         lookup_ngram: prompt lookup matches the last lookup_ngram..1 tokens.
-        draft_int8: heads 2..h (eagle's layer, or parallel heads; not DeepSeek's modules)
+        draft_int8: heads 2..h (eagle's layer, DeepSeek's modules, or parallel heads)
             draft with 8-bit integer products on the CPU
             (`mtp.decoding.arithmetic.int8_products`): their weights read in a quarter of the
             bytes, the drafts a little less sure; the output is unchanged.

@@ -114,7 +114,7 @@ class DecodeRequest:
     lookup_ngram: int = 2
     """Prompt lookup matches the last lookup_ngram..1 tokens."""
     draft_int8: bool = False
-    """Heads 2..h (eagle's layer or parallel heads) draft with 8-bit integer products
+    """Heads 2..h (whatever their type) draft with 8-bit integer products
     (`mtp.decoding.arithmetic.int8_products`); the output is unchanged."""
 
     @property
@@ -233,11 +233,7 @@ class DecodeRequest:
                     head_type=cfg.head_type)
             if self.draft_int8 and d in HEAD_DECODERS:
                 p = next(model.parameters())
-                if model.cascaded and not model.unrolled:
-                    bad("draft_int8", "{draft_int8} drafts with eagle's layer or parallel heads, "
-                        "not DeepSeek's modules ({model}'s --model.head_type is {head_type})",
-                        head_type=cfg.head_type)
-                elif p.device.type != "cpu" or p.dtype != torch.float32:
+                if p.device.type != "cpu" or p.dtype != torch.float32:
                     bad("draft_int8", "{draft_int8} multiplies on the CPU from fp32 weights; "
                         "{model} is {kind} on {device}", kind=str(p.dtype).removeprefix("torch."),
                         device=p.device)

@@ -341,14 +341,26 @@ def test_parallel_heads_drafting_in_int8_keep_greedys_output(int8_calls, head_ty
             assert stats.tokens_per_forward > 1.5
 
 
-def test_draft_int8_is_refused_where_no_head_drafts_or_deepseeks_modules_do():
+@pytest.mark.parametrize(("decoder", "kwargs"), [
+    ("self-spec", {}), ("tree", {}), ("tree", {"tree": DynamicTree(max_nodes=8)})])
+def test_deepseek_modules_drafting_in_int8_keep_greedys_output(int8_calls, decoder, kwargs):
+    """`draft_int8` with DeepSeek's modules: greedy's output, drafts still accepted, and in int8
+    every product of modules 2..h and the draft vocabulary's rows, nothing of the trunk or head
+    1 (which verify)."""
+    trained = _trained("deepseek")[0]
+    for model in (trained, random_model(head_type="deepseek", draft_vocab=64)):
+        prompts = cyclic_prompts(model, 6, seed=5) if model is trained else \
+            random_prompts(6, model.cfg.vocab_size, seed=5)
+        drafting = {m for m in model.heads[1:].modules() if isinstance(m, nn.Linear)}
+        stats = _int8_decode(model, prompts, int8_calls, decoder, kwargs, drafting)
+        assert not any("forward" in vars(m) for m in model.modules())
+        if model is trained:
+            assert stats.tokens_per_forward > 1.5
+
+
+def test_draft_int8_is_refused_where_no_head_drafts():
     from mtp.decoding import RequestError
 
-    with pytest.raises(RequestError, match="draft_int8 drafts with eagle's layer or parallel "
-                       "heads, not DeepSeek's modules \\(the model's --model.head_type is "
-                       "deepseek\\)"):
-        generate(random_model(head_type="deepseek"), [[1, 2, 3]], 4, decoder="tree",
-                 draft_int8=True)
     with pytest.raises(RequestError, match="draft_int8 is how the heads draft with decoder "
                        "self-spec and tree: decoder greedy drafts with no head"):
         generate(_trained("eagle")[0], [[1, 2, 3]], 4, draft_int8=True)
