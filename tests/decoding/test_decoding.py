@@ -262,45 +262,6 @@ def test_batched_greedy_equals_each_row_alone(cyclic_model, monkeypatch, group_c
             assert len({len(o) for o in batched}) > 2  # rows ended at different rounds
 
 
-@pytest.mark.parametrize("max_new", [1, 32])
-def test_continuous_batching_equals_each_row_alone(cyclic_model, monkeypatch, max_new) -> None:
-    """Nine prompts of 1 to 76 tokens through three rows: the next prompts join in the places of
-    rows that ended (with one new token, every row ends on the prefill's), each row's output is
-    what it decodes alone, `on_end` hears each row once with its final tokens, and no forward
-    runs more than three rows."""
-    widest, forward = [], engine.forward
-
-    def recording(model, cache, tokens, *args):
-        widest.append(tokens.shape[0])
-        return forward(model, cache, tokens, *args)
-
-    monkeypatch.setattr(engine, "forward", recording)
-    monkeypatch.setattr(engine, "JOIN_SHARE", 0.5)  # a join once two of the three rows are free
-    random = random_model(2)
-    for model in (cyclic_model, random):
-        prompts = spread_prompts(model, 9, seed=3)
-        free, _ = generate(model, prompts, max_new)
-        eot = collections.Counter(t for o in free for t in set(o)).most_common(1)[0][0]
-        ended = []
-        widest.clear()
-        streamed, stats = generate(model, prompts, max_new, eot_id=eot, max_batch=3,
-                                   on_end=lambda row, toks: ended.append((row, list(toks))))
-        alone = [generate(model, [p], max_new, eot_id=eot)[0][0] for p in prompts]
-        assert streamed == alone
-        assert sorted(ended) == sorted(enumerate(alone))  # each row once, its tokens final
-        assert max(widest) == 3 and stats.prefills == 9
-        if max_new > 1:
-            assert len({len(o) for o in streamed}) > 2  # rows ended at different rounds
-            assert 1 in widest[1:] and 2 in widest[1:]  # a join ran a forward of its own
-
-
-def test_continuous_batching_refuses_speculative_decoders(cyclic_model) -> None:
-    with pytest.raises(ValueError, match="max_batch must be >= 1 and goes with decoder greedy"):
-        generate(cyclic_model, [[1, 2], [3]], 4, decoder="self-spec", max_batch=1)
-    with pytest.raises(ValueError, match="max_batch must be >= 1"):
-        generate(cyclic_model, [[1, 2], [3]], 4, max_batch=0)
-
-
 def test_length_groups_are_the_cheapest_grouping() -> None:
     """Against every way of cutting the prompts, in length order, into groups."""
     g = torch.Generator().manual_seed(0)
