@@ -339,11 +339,10 @@ def run(ctx: Context, prompts: list[list[int]], drafter, policy) -> None:
     """Decode every prompt to its end with `drafter`, `policy` choosing each round's drafts.
 
     Prompts beyond the cache's rows wait (continuous batching, for a drafter that keeps no state
-    per row: plain decoding): the first
-    rows are prefilled together, and once a `JOIN_SHARE` of the rows is free (or every prompt
-    waiting fits), the next prompts are prefilled in a forward of their own and join the batch
-    in the places of rows that ended (`_join`), so that a long queue of prompts is decoded with
-    full batches to its last ones.
+    per row: plain decoding): the first rows are prefilled together, and once a `JOIN_SHARE` of
+    the rows is free (or every prompt waiting fits), the next prompts are prefilled in a forward
+    of their own and join the batch in the places of rows that ended (`_join`), so that a long
+    queue of prompts is decoded with full batches to its last ones.
     """
     rows = ctx.cache.k.shape[1]
     waiting = list(range(len(prompts) - 1, rows - 1, -1))  # popped from the end: in order
@@ -365,9 +364,8 @@ def run(ctx: Context, prompts: list[list[int]], drafter, policy) -> None:
             keep = None
         free = rows - len(ctx.rows)
         if waiting and free and (free >= rows * JOIN_SHARE or free >= len(waiting)):
-            pending, keep = _join(ctx, prompts, [waiting.pop() for _ in range(min(free,
-                                                                                  len(waiting)))],
-                                  pending)
+            new = [waiting.pop() for _ in range(min(free, len(waiting)))]
+            pending, keep = _join(ctx, prompts, new, pending)
             continue  # rows that ended on their first token leave first
         n = policy.choose(ctx, drafter.max_drafts)
         prop = drafter.propose(ctx, pending, n)
