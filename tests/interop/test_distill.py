@@ -265,6 +265,29 @@ def test_an_out_that_cannot_be_written_is_named_and_keeps_its_lines(setup, monke
         sorted(requests(src, 4, seed=0))
 
 
+def test_each_answer_is_written_as_it_ends(setup, monkeypatch, capsys):
+    """Four requests decoding at once: the answers that ended before the disk filled are on it,
+    each its own line (not a batch written whole at its end), and the rerun goes on."""
+    from disk_helpers import failing_writes
+
+    tmp, src, _, _ = setup
+    base = ["distill", "--model", str(tmp / "m.ckpt"), "--source", str(src),
+            "--max-new-tokens", "12", "--batch-size", "4", "--requests", "4"]
+    assert main([*base, "--out", str(tmp / "whole.jsonl")]) == 0
+    whole = (tmp / "whole.jsonl").read_text().splitlines(keepends=True)
+    assert len(whole) == 4
+    out = tmp / "d.jsonl"
+    failing_writes(monkeypatch, "d.jsonl", after=len("".join(whole[:2]).encode()))
+    with pytest.raises(SystemExit):
+        main([*base, "--out", str(out)])
+    assert "the 2 answers before are kept" in capsys.readouterr().err
+    assert out.read_text().splitlines(keepends=True) == whole[:2]
+    monkeypatch.undo()
+    assert main([*base, "--out", str(out)]) == 0
+    lines = out.read_text().splitlines(keepends=True)
+    assert lines[:2] == whole[:2] and sorted(lines) == sorted(whole)
+
+
 def test_mbpp_train_style_asks_the_training_split_in_the_chat_wording(setup, capsys):
     """`--style mbpp-train`: the requests are MBPP's training-split tasks (ids 601-974) worded
     as `mtp eval --prompt-format chat` words a task; no test-split task is among them."""
