@@ -213,6 +213,32 @@ def test_lower_layers_do_not_import_lightning(package):
             assert not banned, (name, banned)
 
 
+#: Modules that worker processes import (ranks, tokenisers, benchmarks) or that run without a
+#: Trainer: importing them must not load Lightning, whose import takes seconds per process.
+WITHOUT_LIGHTNING = ["mtp.data", "mtp.data.corpus", "mtp.data.bpe", "mtp.data.shards",
+                     "mtp.data.encoder_pool", "mtp.train.parallel", "mtp.train.loss",
+                     "mtp.train.targets", "mtp.train.frozen_trunk", "mtp.model.checkpoint",
+                     "mtp.bench.loss", "mtp.bench.tokenize", "mtp.decoding.generation",
+                     "mtp.interop.distill", "mtp.eval.harness"]
+
+
+def test_only_the_trainer_side_loads_lightning():
+    """Each module of WITHOUT_LIGHTNING imports without Lightning; `mtp.data`'s DataModule, asked
+    for by name, loads it (so the check itself can see Lightning arrive)."""
+    import subprocess
+    import sys
+
+    code = ("import importlib, sys\n"
+            f"for name in {WITHOUT_LIGHTNING!r}:\n"
+            "    importlib.import_module(name)\n"
+            "    assert 'lightning' not in sys.modules, name\n"
+            "import mtp.data\n"
+            "mtp.data.MTPDataModule\n"
+            "assert 'lightning' in sys.modules\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
 def test_no_module_over_600_lines():
     files = [*_modules().values(), *sorted((ROOT / "experiments").glob("*.py")),
              *sorted((ROOT / "scripts").glob("*.py")), *sorted((ROOT / "tests").rglob("*.py"))]

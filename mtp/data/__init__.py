@@ -7,35 +7,28 @@ split with an end-of-text token after each document, encoded by worker processes
 (``encoder_pool``) into crash-safe, resumable shards (``shards``) -> windows of seq_len + K
 tokens, so head i finds its targets i positions ahead, their samplers and the
 LightningDataModule (``datamodule``). Imports the model stage (a GGUF file's tokenizer) and
-nothing above it.
+nothing above it. Names are imported when first used: only ``datamodule`` loads Lightning.
 """
 
-from mtp.data.bpe import load_tokenizer, tokenizer_sample, train_tokenizer
-from mtp.data.corpus import Corpus, SourceSpec, load_corpus, source_specs
-from mtp.data.datamodule import (
-    MixtureSampler,
-    MTPDataModule,
-    ResumableSampler,
-    TokenWindows,
-    build_datamodule,
-    unigram_entropy,
-)
-from mtp.data.shards import build_shards, load_shards
+from mtp.util.lazy import lazy_exports
 
-__all__ = [
-    "Corpus",
-    "MTPDataModule",
-    "MixtureSampler",
-    "ResumableSampler",
-    "SourceSpec",
-    "TokenWindows",
-    "build_datamodule",
-    "build_shards",
-    "load_corpus",
-    "load_shards",
-    "load_tokenizer",
-    "source_specs",
-    "tokenizer_sample",
-    "train_tokenizer",
-    "unigram_entropy",
-]
+#: Each public name and the module that defines it.
+_EXPORTS = {
+    "Corpus": "mtp.data.corpus",
+    "MTPDataModule": "mtp.data.datamodule",
+    "MixtureSampler": "mtp.data.datamodule",
+    "ResumableSampler": "mtp.data.datamodule",
+    "SourceSpec": "mtp.data.corpus",
+    "TokenWindows": "mtp.data.datamodule",
+    "build_datamodule": "mtp.data.datamodule",
+    "build_shards": "mtp.data.shards",
+    "load_corpus": "mtp.data.corpus",
+    "load_shards": "mtp.data.shards",
+    "load_tokenizer": "mtp.data.bpe",
+    "source_specs": "mtp.data.corpus",
+    "tokenizer_sample": "mtp.data.bpe",
+    "train_tokenizer": "mtp.data.bpe",
+    "unigram_entropy": "mtp.data.datamodule",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -16,16 +16,19 @@ import os
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ThroughputMonitor
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from mtp.config import CompileConfig, DataConfig, LossConfig, ModelConfig, OptimConfig, RunConfig
 from mtp.data import MTPDataModule, build_datamodule, unigram_entropy
+from mtp.model.checkpoint import check_checkpoint_config, check_tensor_digests
 from mtp.model.vocab import eot_id
 from mtp.train.fault import LAST, AtomicCheckpointIO, Interruptible, Stopped
 from mtp.train.log_lines import StepLines
@@ -108,6 +111,36 @@ def default_callbacks(n_future: int, *, checkpoints: bool = True, logger: bool =
     return callbacks
 
 
+class FSDPStrategy(ModelParallelStrategy):
+    """FSDP2 over every process (no tensor parallelism), saving full (unsharded) checkpoints.
+
+    Full checkpoints are ordinary Lightning checkpoint files:
+    `mtp.model.checkpoint.load_checkpoint`, `mtp generate` and `mtp eval` read them as they read
+    single-process ones, and a run resumes from them under any strategy.
+    """
+
+    strategy_name = "fsdp"
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("save_distributed_checkpoint", False)
+        super().__init__(**kwargs)
+
+    def setup_environment(self) -> None:
+        self._data_parallel_size = self.num_nodes * self.num_processes
+        self._tensor_parallel_size = 1
+        super().setup_environment()
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict:
+        # The model's config is checked before the weights are loaded: a checkpoint of another
+        # config would otherwise fail inside the state-dict loading, on a tensor shape.
+        path = Path(checkpoint_path)
+        if path.is_file():
+            meta = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+            check_checkpoint_config(meta, self.lightning_module.model_cfg)
+            check_tensor_digests(meta, path)  # the loader below takes the weights out unchecked
+        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+
+
 class MTPCLI(LightningCLI):
     """LightningCLI whose groups are mtp's config dataclasses rather than class signatures;
     its trainer saves checkpoints atomically and stops cleanly on SIGINT / SIGTERM
@@ -182,8 +215,6 @@ class MTPCLI(LightningCLI):
             TokenizerInCheckpoint(self.datamodule),
             self.interrupt]}
         if c.trainer.strategy == "fsdp":  # FSDP2 on CPU and GPU alike (mtp.train.parallel)
-            from mtp.train.parallel import FSDPStrategy
-
             c.trainer.strategy = FSDPStrategy()
         try:
             self.trainer = self.instantiate_trainer()

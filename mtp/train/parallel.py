@@ -1,8 +1,9 @@
 """Sharded data parallelism: FSDP2 (`fully_shard`) per trunk block and per head, on CPU and GPU.
 
-`mtp fit --trainer.strategy fsdp` maps to `FSDPStrategy`, a Lightning `ModelParallelStrategy` whose
-device mesh is all data parallel (Lightning's own `fsdp` string is FSDP1, which refuses a CPU
-accelerator). `MTPModule.configure_model` calls `shard_model` on that mesh.
+`mtp fit --trainer.strategy fsdp` maps to `mtp.train.cli.FSDPStrategy`, a Lightning
+`ModelParallelStrategy` whose device mesh is all data parallel (Lightning's own `fsdp` string is
+FSDP1, which refuses a CPU accelerator). `MTPModule.configure_model` calls `shard_model` on that
+mesh. This module itself imports no Lightning: the ranks of `run_ranks` start in seconds.
 
 Why FSDP2 through `ModelParallelStrategy`: FSDP2 shards parameters as DTensors per module, so a
 head can be its own sharded unit like a trunk block. The sequential path of the heads' loss
@@ -26,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.pytorch.strategies import ModelParallelStrategy
 
 from mtp.model.transformer import MTPTransformer
 
@@ -76,38 +76,6 @@ def full_model(model: MTPTransformer) -> MTPTransformer | None:
     full = MTPTransformer(model.cfg)
     full.load_state_dict(state)
     return full
-
-
-class FSDPStrategy(ModelParallelStrategy):
-    """FSDP2 over every process (no tensor parallelism), saving full (unsharded) checkpoints.
-
-    Full checkpoints are ordinary Lightning checkpoint files:
-    `mtp.model.checkpoint.load_checkpoint`, `mtp generate` and `mtp eval` read them as they read
-    single-process ones, and a run resumes from them under any strategy.
-    """
-
-    strategy_name = "fsdp"
-
-    def __init__(self, **kwargs: Any) -> None:
-        kwargs.setdefault("save_distributed_checkpoint", False)
-        super().__init__(**kwargs)
-
-    def setup_environment(self) -> None:
-        self._data_parallel_size = self.num_nodes * self.num_processes
-        self._tensor_parallel_size = 1
-        super().setup_environment()
-
-    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict:
-        # The model's config is checked before the weights are loaded: a checkpoint of another
-        # config would otherwise fail inside the state-dict loading, on a tensor shape.
-        from mtp.model.checkpoint import check_checkpoint_config, check_tensor_digests
-
-        path = Path(checkpoint_path)
-        if path.is_file():
-            meta = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-            check_checkpoint_config(meta, self.lightning_module.model_cfg)
-            check_tensor_digests(meta, path)  # the loader below takes the weights out unchecked
-        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 
 
 def run_ranks(fn: Callable[..., None], world: int, *args: Any, backend: str = "gloo",

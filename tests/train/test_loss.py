@@ -5,7 +5,6 @@ import re
 import lightning as L
 import pytest
 import torch
-import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mtp.config import HEAD_TYPES, LossConfig, ModelConfig, OptimConfig
@@ -19,7 +18,6 @@ from mtp.train.loss import (
     soft_sequential_path,
 )
 from mtp.train.module import MTPModule
-from mtp.train.parallel import run_ranks
 from mtp.train.targets import IGNORE_INDEX, FrozenTeacher, mtp_inputs_targets
 from mtp.util.errors import ConfigError
 
@@ -247,44 +245,6 @@ def test_sequential_pass_never_holds_an_n_by_v_buffer(head_type):
             assert probe.largest >= 4 * N * V  # the probe does see the naive K x N x V logits
         else:
             assert probe.largest < N * V, f"a buffer of {probe.largest} elements >= N x V"
-
-
-class _LossOf(torch.nn.Module):
-    """What Lightning's DDP wrapper does: the loss is computed inside the wrapped forward."""
-
-    def __init__(self, model: MTPTransformer) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, inputs, targets):
-        return sequential_mtp_loss(self.model, inputs, targets).loss
-
-
-def _ddp_worker(rank, world, state, inputs, targets, out_path):
-    torch.set_num_threads(1)
-    model = MTPTransformer(ModelConfig(**state["cfg"]))
-    model.load_state_dict(state["weights"])
-    ddp = torch.nn.parallel.DistributedDataParallel(_LossOf(model))
-    shard = slice(rank * len(inputs) // world, (rank + 1) * len(inputs) // world)
-    loss = ddp(inputs[shard], targets[:, shard])
-    loss.backward()
-    total = loss.detach().clone()
-    dist.all_reduce(total)
-    if rank == 0:
-        torch.save({"loss": total / world,
-                    "grads": {n: p.grad for n, p in model.named_parameters()}}, out_path)
-
-
-def test_ddp_two_processes_match_one_process(tmp_path):
-    model, inputs, targets = _setup(3, B=4, ignore=False)
-    state = {"cfg": model.cfg.__dict__, "weights": model.state_dict()}
-    out = tmp_path / "ddp.pt"
-    run_ranks(_ddp_worker, 2, state, inputs, targets, str(out), timeout=240)
-    result = torch.load(out)
-    single = naive_mtp_loss(model, inputs, targets)
-    single.loss.backward()
-    torch.testing.assert_close(result["loss"], single.loss.detach(), rtol=1e-5, atol=0)
-    _assert_grads_close(result["grads"], {n: p.grad for n, p in model.named_parameters()}, 1e-5)
 
 
 def test_lightning_steps_match_between_strategies(tiny_corpus, tmp_path):

@@ -1,4 +1,6 @@
-"""FSDP2 with the sequential head pass: gradients, `mtp fit --trainer.strategy fsdp`, resume."""
+"""The sequential head pass on several processes: DDP and FSDP2 gradients, `mtp fit
+--trainer.strategy fsdp`, resume. The ranks import no Lightning (nor does this file), so each
+starts in seconds."""
 
 import multiprocessing
 import os
@@ -19,6 +21,52 @@ from mtp.model.transformer import MTPTransformer
 from mtp.train.loss import naive_mtp_loss, sequential_mtp_loss
 from mtp.train.parallel import run_ranks
 from mtp.train.targets import IGNORE_INDEX, mtp_inputs_targets
+
+
+class _LossOf(torch.nn.Module):
+    """What Lightning's DDP wrapper does: the loss is computed inside the wrapped forward."""
+
+    def __init__(self, model: MTPTransformer) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, inputs, targets):
+        return sequential_mtp_loss(self.model, inputs, targets).loss
+
+
+def _ddp_worker(rank, world, state, inputs, targets, out_path):
+    torch.set_num_threads(1)
+    model = MTPTransformer(ModelConfig(**state["cfg"]))
+    model.load_state_dict(state["weights"])
+    ddp = torch.nn.parallel.DistributedDataParallel(_LossOf(model))
+    shard = slice(rank * len(inputs) // world, (rank + 1) * len(inputs) // world)
+    loss = ddp(inputs[shard], targets[:, shard])
+    loss.backward()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    if rank == 0:
+        torch.save({"loss": total / world,
+                    "grads": {n: p.grad for n, p in model.named_parameters()}}, out_path)
+
+
+def test_ddp_two_processes_match_one_process(tmp_path):
+    """The sequential pass under DDP on two gloo ranks: the loss and gradients of the naive pass
+    over the whole batch on one process (fp32, 1e-5)."""
+    torch.manual_seed(0)
+    K, V, B, T = 3, 101, 4, 17
+    model = MTPTransformer(ModelConfig(vocab_size=V, d_model=32, n_layers=2, n_attn_heads=2,
+                                       n_future=K, max_seq_len=64))
+    inputs, targets = mtp_inputs_targets(torch.randint(0, V, (B, T + K)), K)
+    state = {"cfg": model.cfg.__dict__, "weights": model.state_dict()}
+    out = tmp_path / "ddp.pt"
+    run_ranks(_ddp_worker, 2, state, inputs, targets, str(out), timeout=240)
+    result = torch.load(out)
+    single = naive_mtp_loss(model, inputs, targets)
+    single.loss.backward()
+    torch.testing.assert_close(result["loss"], single.loss.detach(), rtol=1e-5, atol=0)
+    for name, p in model.named_parameters():
+        err = (result["grads"][name] - p.grad).norm() / p.grad.norm().clamp(min=1e-30)
+        assert err <= 1e-5, f"{name}: relative error {err:.2e}"
 
 
 def _fsdp_worker(rank, world, state, inputs, targets, accumulate, out_path):
